@@ -1,0 +1,377 @@
+"""The async driver: runs one lane of a ring or chain plan over a transport.
+
+For each lane a rank runs two tasks. The sender streams the plan's send items
+to the right neighbour, each as soon as the receive item it forwards has been
+applied. The receiver reads the left neighbour's stream, checks every header
+against the plan, and reduces or copies the payload into place. Both sides
+start with a descriptor message, which the receiver compares with its own
+view of the collective: any difference is a ProtocolError naming both ranks
+and both values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import schedule, wire
+from .errors import CollectiveTimeoutError, FerroGrpcError, PeerError, ProtocolError
+from .ops import ReduceOp, kind_name, wire_dtype_name, wire_op_name
+from .schedule import COPY, REDUCE_LAST, LanePlan
+from .transport import InStream, OutStream
+from .v1 import collective_pb2 as pb
+
+if TYPE_CHECKING:
+    from .peer import Peer
+
+
+class Counter:
+    """A monotonic counter that coroutines can wait on."""
+
+    __slots__ = ("value", "_waiters")
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+
+    def advance(self) -> None:
+        self.value += 1
+        if self._waiters:
+            keep = []
+            for threshold, fut in self._waiters:
+                if threshold <= self.value:
+                    if not fut.done():
+                        fut.set_result(None)
+                else:
+                    keep.append((threshold, fut))
+            self._waiters = keep
+
+    async def wait_for(self, threshold: int) -> None:
+        if self.value >= threshold:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append((threshold, fut))
+        await fut
+
+
+# Reductions applied to a received chunk: out = a (op) b.
+_REDUCERS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]] = {
+    ReduceOp.SUM: lambda a, b, out: torch.add(a, b, out=out),
+    ReduceOp.MEAN: lambda a, b, out: torch.add(a, b, out=out),
+    ReduceOp.MAX: lambda a, b, out: torch.maximum(a, b, out=out),
+    ReduceOp.MIN: lambda a, b, out: torch.minimum(a, b, out=out),
+}
+
+_DESCRIPTOR_FIELDS = (
+    ("kind", kind_name),
+    ("dtype", wire_dtype_name),
+    ("numel", str),
+    ("reduce_op", wire_op_name),
+    ("root", str),
+    ("world_size", str),
+    ("lanes", str),
+    ("chunk_elems", str),
+)
+
+
+@dataclasses.dataclass
+class Job:
+    """One collective as this rank sees it."""
+
+    seq: int
+    name: str
+    descriptor: pb.Descriptor
+    # The flat tensor the ring reads from and (in place) writes to.
+    buffer: torch.Tensor
+    op: ReduceOp
+    # For out-of-place reduce-scatter: where the finished segment goes, and the
+    # element offset of that segment in ``buffer``.
+    out: torch.Tensor | None = None
+    out_offset: int = 0
+
+    @property
+    def kind(self) -> int:
+        return self.descriptor.kind
+
+
+def describe_mismatch(mine: pb.Descriptor, theirs: pb.Descriptor, me: int, them: int) -> str | None:
+    for field, render in _DESCRIPTOR_FIELDS:
+        a = getattr(mine, field)
+        b = getattr(theirs, field)
+        if a != b:
+            return (
+                f"ranks disagree on {field}: rank {me} has {field}={render(a)}, "
+                f"rank {them} has {field}={render(b)}"
+            )
+    return None
+
+
+class LaneRunner:
+    """Runs one lane of one collective on one rank."""
+
+    def __init__(self, peer: Peer, job: Job, lane: int, plan: LanePlan) -> None:
+        self.peer = peer
+        self.job = job
+        self.lane = lane
+        self.plan = plan
+        self.world = peer.world_size
+        self.right = (peer.rank + 1) % self.world
+        self.left = (peer.rank - 1) % self.world
+        self.itemsize = job.buffer.element_size()
+        self.received = Counter()
+        self.forwarded = Counter()
+        self.produced = 0
+        # Out-of-place reduce-scatter keeps reduced chunks here until forwarded.
+        self.scratch: dict[int, torch.Tensor] = {}
+        self.in_place = job.out is None
+
+    def _error(self, cls: type[FerroGrpcError], message: str, peer: int | None) -> FerroGrpcError:
+        return self.peer.error(cls, message, op=self.job.name, seq=self.job.seq, peer=peer)
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._send())
+            tg.create_task(self._receive())
+
+    # ------------------------------------------------------------- sending
+
+    def _header(self) -> pb.ChunkHeader:
+        return pb.ChunkHeader(
+            group=self.peer.group,
+            seq=self.job.seq,
+            kind=self.job.kind,
+            src_rank=self.peer.rank,
+            lane=self.lane,
+        )
+
+    async def _write(self, stream: OutStream, message: bytes, step: int) -> None:
+        try:
+            async with asyncio.timeout(self.peer.timeouts.idle):
+                await stream.write(message)
+        except TimeoutError:
+            raise self._error(
+                CollectiveTimeoutError,
+                f"rank {self.right} ({self.peer.address_of(self.right)}) accepted no data for "
+                f"{self.peer.timeouts.idle:g}s at step {step}; it is stuck or overloaded",
+                self.right,
+            ) from None
+        except FerroGrpcError as exc:
+            raise self.peer.contextualize(exc, self.job.name, self.job.seq, self.right) from exc
+
+    async def _send(self) -> None:
+        peer = self.peer
+        stream = await peer.transport.open(self.right, self.lane)
+        try:
+            header = self._header()
+            header.descriptor.CopyFrom(self.job.descriptor)
+            await self._write(stream, wire.encode(header), 0)
+            header.ClearField("descriptor")
+            flat = self.job.buffer
+            checksum = peer.checksum
+            for item in self.plan.sends:
+                if item.after > self.received.value:
+                    await self.received.wait_for(item.after)
+                if item.from_recv >= 0 and not self.in_place:
+                    data = self.scratch.pop(item.from_recv)
+                    self.forwarded.advance()
+                else:
+                    data = flat[item.lo : item.hi]
+                payload = _bytes_view(data)
+                header.step = item.step
+                header.chunk_index = item.chunk
+                header.offset = item.lo
+                if checksum is not None:
+                    header.crc32c = checksum(payload)
+                    header.has_crc = True
+                await self._write(stream, wire.encode(header, payload), item.step)
+                peer.stats.bytes_sent += payload.nbytes
+            try:
+                async with asyncio.timeout(peer.timeouts.idle):
+                    await stream.close()
+            except TimeoutError:
+                raise self._error(
+                    CollectiveTimeoutError,
+                    f"rank {self.right} ({peer.address_of(self.right)}) did not finish reading "
+                    f"within {peer.timeouts.idle:g}s",
+                    self.right,
+                ) from None
+            except FerroGrpcError as exc:
+                raise peer.contextualize(exc, self.job.name, self.job.seq, self.right) from exc
+        except BaseException:
+            stream.cancel()
+            raise
+
+    # ----------------------------------------------------------- receiving
+
+    async def _read(self, stream: InStream, what: str) -> bytes | None:
+        try:
+            async with asyncio.timeout(self.peer.timeouts.idle):
+                return await stream.read()
+        except TimeoutError:
+            raise self._error(
+                CollectiveTimeoutError,
+                f"waited {self.peer.timeouts.idle:g}s for {what} from rank {self.left} "
+                f"({self.peer.address_of(self.left)}); it is stuck or overloaded",
+                self.left,
+            ) from None
+        except FerroGrpcError as exc:
+            raise self.peer.contextualize(exc, self.job.name, self.job.seq, self.left) from exc
+
+    async def _receive(self) -> None:
+        peer = self.peer
+        job = self.job
+        key = (peer.group, job.seq, self.lane, self.left)
+        mailbox = peer.mailbox(key)
+        try:
+            try:
+                async with asyncio.timeout(peer.timeouts.idle):
+                    header, stream = await asyncio.shield(mailbox.arrived)
+            except TimeoutError:
+                raise self._error(
+                    CollectiveTimeoutError,
+                    f"rank {self.left} ({peer.address_of(self.left)}) did not start "
+                    f"{job.name}#{job.seq} within {peer.timeouts.idle:g}s",
+                    self.left,
+                ) from None
+            mismatch = describe_mismatch(job.descriptor, header.descriptor, peer.rank, self.left)
+            if mismatch:
+                raise self._error(ProtocolError, mismatch, self.left)
+            await self._consume(stream)
+        except BaseException as exc:
+            if not mailbox.done.done():
+                err = exc if isinstance(exc, FerroGrpcError) else PeerError("collective aborted")
+                mailbox.done.set_exception(err)
+                mailbox.done.exception()  # mark retrieved
+            raise
+        else:
+            if not mailbox.done.done():
+                mailbox.done.set_result(None)
+        finally:
+            peer.drop_mailbox(key)
+
+    async def _consume(self, stream: InStream) -> None:
+        peer = self.peer
+        job = self.job
+        flat = job.buffer
+        dtype = flat.dtype
+        itemsize = self.itemsize
+        reduce = _REDUCERS[job.op]
+        mean = job.op is ReduceOp.MEAN
+        window = peer.chunk_policy.window
+        checksum = peer.checksum
+        for index, item in enumerate(self.plan.recvs):
+            message = await self._read(stream, f"chunk {item.chunk} of step {item.step}")
+            if message is None:
+                raise self._error(
+                    PeerError,
+                    f"rank {self.left} ({peer.address_of(self.left)}) ended its stream after "
+                    f"{index} of {len(self.plan.recvs)} chunks; it failed or exited",
+                    self.left,
+                )
+            try:
+                header, payload = wire.decode(message)
+            except ProtocolError as exc:
+                raise self._error(ProtocolError, f"from rank {self.left}: {exc.message}", self.left)
+            nbytes = (item.hi - item.lo) * itemsize
+            if (
+                header.seq != job.seq
+                or header.step != item.step
+                or header.chunk_index != item.chunk
+                or header.offset != item.lo
+                or header.src_rank != self.left
+                or header.lane != self.lane
+                or payload.nbytes != nbytes
+            ):
+                raise self._error(
+                    ProtocolError,
+                    f"rank {self.left} sent chunk (seq={header.seq} step={header.step} "
+                    f"chunk={header.chunk_index} offset={header.offset} src={header.src_rank} "
+                    f"lane={header.lane} bytes={payload.nbytes}), expected (seq={job.seq} "
+                    f"step={item.step} chunk={item.chunk} offset={item.lo} src={self.left} "
+                    f"lane={self.lane} bytes={nbytes})",
+                    self.left,
+                )
+            if checksum is not None:
+                if not header.has_crc or checksum(payload) != header.crc32c:
+                    raise self._error(
+                        ProtocolError,
+                        f"chunk {item.chunk} of step {item.step} from rank {self.left} "
+                        f"({peer.address_of(self.left)}) failed its CRC32C check: corrupted in "
+                        "flight; it was discarded",
+                        self.left,
+                    )
+            if nbytes:
+                incoming = torch.frombuffer(payload, dtype=dtype)
+                if item.action == COPY:
+                    flat[item.lo : item.hi].copy_(incoming)
+                elif self.in_place:
+                    target = flat[item.lo : item.hi]
+                    reduce(target, incoming, target)
+                    if mean and item.action == REDUCE_LAST:
+                        target.div_(self.world)
+                elif item.action == REDUCE_LAST:
+                    assert job.out is not None
+                    target = job.out[item.lo - job.out_offset : item.hi - job.out_offset]
+                    reduce(flat[item.lo : item.hi], incoming, target)
+                    if mean:
+                        target.div_(self.world)
+                else:
+                    # Bound the chunks held for forwarding (flow control).
+                    if self.produced - self.forwarded.value >= window:
+                        await self.forwarded.wait_for(self.produced - window + 1)
+                    self.scratch[index] = torch.empty(item.hi - item.lo, dtype=dtype)
+                    reduce(flat[item.lo : item.hi], incoming, self.scratch[index])
+                    self.produced += 1
+            elif not self.in_place and item.action != COPY and item.action != REDUCE_LAST:
+                self.scratch[index] = flat[item.lo : item.hi]
+                self.produced += 1
+            peer.stats.bytes_received += nbytes
+            self.received.advance()
+        tail = await self._read(stream, "the end of the stream")
+        if tail is not None:
+            raise self._error(
+                ProtocolError,
+                f"rank {self.left} sent more chunks than the schedule allows "
+                f"({len(self.plan.recvs)})",
+                self.left,
+            )
+
+
+def _silence_readonly_warning() -> None:
+    # Received payloads are read-only bytes; torch warns (once per process)
+    # that a tensor over them could be written. We only ever read them, so
+    # spend the one warning here, silenced.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.frombuffer(b"\0\0\0\0", dtype=torch.uint8)
+
+
+_silence_readonly_warning()
+
+
+def _bytes_view(data: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous 1-D CPU tensor."""
+    if data.numel() == 0:
+        return memoryview(b"")
+    return memoryview(data.view(torch.uint8).numpy())
+
+
+def build_plans(job: Job, rank: int, world: int, policy_lanes: int, root: int) -> list[LanePlan]:
+    """The per-lane plans of ``job`` on ``rank``."""
+    desc = job.descriptor
+    layout_world = 1 if desc.kind == pb.BROADCAST else world
+    layout = schedule.Layout.build(desc.numel, layout_world, policy_lanes, desc.chunk_elems)
+    if desc.kind == pb.BROADCAST:
+        return [schedule.broadcast_plan(layout, lane, rank, root, world) for lane in range(policy_lanes)]
+    if desc.kind in (pb.ALL_REDUCE, pb.BARRIER):
+        steps = schedule.all_reduce_steps(rank, world)
+    elif desc.kind == pb.REDUCE_SCATTER:
+        steps = schedule.reduce_scatter_steps(rank, world)
+    else:
+        steps = schedule.all_gather_steps(rank, world)
+    return [schedule.ring_plan(layout, lane, steps) for lane in range(policy_lanes)]

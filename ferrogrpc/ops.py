@@ -1,0 +1,85 @@
+"""Reduce ops and supported dtypes, and their wire codes."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from .errors import ConfigError
+from .v1 import collective_pb2 as pb
+
+
+class ReduceOp(enum.Enum):
+    """How all_reduce and reduce_scatter combine the ranks' values.
+
+    The lowercase strings ``"sum"``, ``"mean"``, ``"max"`` and ``"min"`` are
+    accepted wherever an op is taken. ``MEAN`` is defined for floating dtypes
+    only: the sum is divided by ``world_size`` once, on the rank that finishes
+    the segment, so every rank ends with bitwise identical values.
+    """
+
+    SUM = "sum"
+    MEAN = "mean"
+    MAX = "max"
+    MIN = "min"
+
+    @classmethod
+    def coerce(cls, op: ReduceOp | str) -> ReduceOp:
+        if isinstance(op, ReduceOp):
+            return op
+        if isinstance(op, str):
+            try:
+                return cls(op.lower())
+            except ValueError:
+                pass
+        raise ConfigError(
+            f"unknown reduce op {op!r}; expected one of "
+            + ", ".join(repr(o.value) for o in cls)
+            + " or a ReduceOp"
+        )
+
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
+)
+
+DTYPE_TO_WIRE: dict[torch.dtype, int] = {
+    torch.float32: pb.FLOAT32,
+    torch.float64: pb.FLOAT64,
+    torch.float16: pb.FLOAT16,
+    torch.bfloat16: pb.BFLOAT16,
+    torch.int32: pb.INT32,
+    torch.int64: pb.INT64,
+}
+WIRE_TO_DTYPE: dict[int, torch.dtype] = {v: k for k, v in DTYPE_TO_WIRE.items()}
+
+OP_TO_WIRE: dict[ReduceOp, int] = {
+    ReduceOp.SUM: pb.SUM,
+    ReduceOp.MEAN: pb.MEAN,
+    ReduceOp.MAX: pb.MAX,
+    ReduceOp.MIN: pb.MIN,
+}
+WIRE_TO_OP: dict[int, ReduceOp] = {v: k for k, v in OP_TO_WIRE.items()}
+
+
+def wire_dtype_name(code: int) -> str:
+    dtype = WIRE_TO_DTYPE.get(code)
+    return str(dtype).removeprefix("torch.") if dtype is not None else f"<dtype {code}>"
+
+
+def wire_op_name(code: int) -> str:
+    op = WIRE_TO_OP.get(code)
+    return op.value if op is not None else "none"
+
+
+def kind_name(code: int) -> str:
+    try:
+        return pb.CollectiveKind.Name(code).lower()  # type: ignore[arg-type]
+    except ValueError:
+        return f"<kind {code}>"

@@ -1,0 +1,124 @@
+"""Options (frozen dataclasses, validated on construction) and the names of
+every environment variable ferrogrpc reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Final
+
+from .errors import ConfigError
+
+# torch's env:// variables, read when init_backend's arguments are left None.
+RANK_ENV: Final = "RANK"
+WORLD_SIZE_ENV: Final = "WORLD_SIZE"
+MASTER_ADDR_ENV: Final = "MASTER_ADDR"
+MASTER_PORT_ENV: Final = "MASTER_PORT"
+# Set by torchrun's agent, which then already serves the TCPStore.
+AGENT_STORE_ENV: Final = "TORCHELASTIC_USE_AGENT_STORE"
+RESTART_COUNT_ENV: Final = "TORCHELASTIC_RESTART_COUNT"
+
+# ferrogrpc's own variables.
+COORDINATOR_ENV: Final = "FERROGRPC_COORDINATOR"
+BIND_HOST_ENV: Final = "FERROGRPC_BIND_HOST"
+ADVERTISE_HOST_ENV: Final = "FERROGRPC_ADVERTISE_HOST"
+PORT_ENV: Final = "FERROGRPC_PORT"
+TIMEOUT_ENV: Final = "FERROGRPC_TIMEOUT"
+IDLE_TIMEOUT_ENV: Final = "FERROGRPC_IDLE_TIMEOUT"
+CONNECT_TIMEOUT_ENV: Final = "FERROGRPC_CONNECT_TIMEOUT"
+CHUNK_BYTES_ENV: Final = "FERROGRPC_CHUNK_BYTES"
+LANES_ENV: Final = "FERROGRPC_LANES"
+TOKEN_ENV: Final = "FERROGRPC_TOKEN"
+CHECKSUM_ENV: Final = "FERROGRPC_CHECKSUM"
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """How long ferrogrpc waits before it gives up and names the culprit.
+
+    - ``collective``: the overall deadline of one collective, in seconds
+      (default 300; ``FERROGRPC_TIMEOUT``).
+    - ``idle``: the longest wait for the next chunk from a neighbour before
+      :class:`CollectiveTimeoutError` names it (default 60;
+      ``FERROGRPC_IDLE_TIMEOUT``).
+    - ``connect``: how long rendezvous and connecting may take (default 120;
+      ``FERROGRPC_CONNECT_TIMEOUT``).
+    """
+
+    collective: float = 300.0
+    idle: float = 60.0
+    connect: float = 120.0
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"Timeouts.{field.name} must be a positive number, got {value!r}")
+
+    @classmethod
+    def from_env(cls) -> Timeouts:
+        default = cls()
+        return cls(
+            collective=_env_float(TIMEOUT_ENV, default.collective),
+            idle=_env_float(IDLE_TIMEOUT_ENV, default.idle),
+            connect=_env_float(CONNECT_TIMEOUT_ENV, default.connect),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkPolicy:
+    """How a collective's bytes are cut for the wire.
+
+    - ``chunk_bytes``: payload bytes per chunk message (``FERROGRPC_CHUNK_BYTES``).
+    - ``max_lanes``: a large collective is split into up to this many
+      independent rings, each on its own stream and TCP connection
+      (``FERROGRPC_LANES``).
+    - ``lane_min_bytes``: a lane gets at least this many bytes.
+    - ``window``: chunks buffered per stream by the in-memory transport (the
+      gRPC transport is bounded by HTTP/2 flow control).
+
+    Every rank must use the same policy; a difference is a ProtocolError.
+    """
+
+    chunk_bytes: int = 1 << 20
+    max_lanes: int = 4
+    lane_min_bytes: int = 4 << 20
+    window: int = 4
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 64 or self.chunk_bytes > (64 << 20):
+            raise ConfigError(f"chunk_bytes must be in [64, 64 MiB], got {self.chunk_bytes}")
+        if not 1 <= self.max_lanes <= 16:
+            raise ConfigError(f"max_lanes must be in [1, 16], got {self.max_lanes}")
+        if self.lane_min_bytes < 1:
+            raise ConfigError(f"lane_min_bytes must be positive, got {self.lane_min_bytes}")
+        if self.window < 1:
+            raise ConfigError(f"window must be at least 1, got {self.window}")
+
+    @classmethod
+    def from_env(cls) -> ChunkPolicy:
+        default = cls()
+        return cls(
+            chunk_bytes=_env_int(CHUNK_BYTES_ENV, default.chunk_bytes),
+            max_lanes=_env_int(LANES_ENV, default.max_lanes),
+        )

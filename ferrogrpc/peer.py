@@ -1,0 +1,661 @@
+"""The asyncio peer: one per rank. It owns the transport, routes incoming
+streams to the collective that waits for them, and runs the collectives."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import torch
+
+from . import schedule, wire
+from .collectives import Job, LaneRunner, build_plans
+from .errors import (
+    ERROR_CLASSES,
+    CollectiveTimeoutError,
+    ConfigError,
+    FerroGrpcError,
+    PeerError,
+    ProtocolError,
+)
+from .ops import DTYPE_TO_WIRE, OP_TO_WIRE, SUPPORTED_DTYPES, ReduceOp
+from .options import ChunkPolicy, Timeouts
+from .rendezvous import Rendezvous
+from .transport import GrpcTransport, InStream, StreamHandler, Transport
+from .v1 import collective_pb2 as pb
+
+logger = logging.getLogger("ferrogrpc")
+
+T = TypeVar("T")
+MailboxKey = tuple[int, int, int, int]  # (group, seq, lane, src_rank)
+
+
+class _Mailbox:
+    """Where an incoming stream waits for the collective that consumes it."""
+
+    __slots__ = ("arrived", "done")
+
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.arrived: asyncio.Future[tuple[pb.ChunkHeader, InStream]] = loop.create_future()
+        self.done: asyncio.Future[None] = loop.create_future()
+
+
+@dataclasses.dataclass
+class Stats:
+    """Bytes this peer moved, for throughput reports."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    collectives: int = 0
+
+
+@dataclasses.dataclass
+class _Op:
+    seq: int
+    name: str
+    task: asyncio.Task[Any] | None = None
+    error: FerroGrpcError | None = None
+
+
+class Peer(StreamHandler):
+    """One rank of a ferrogrpc group, on an asyncio event loop.
+
+    Create it with :meth:`Peer.start`, which binds the transport, exchanges
+    addresses through a rendezvous and checks the ring with a barrier.
+
+    Every collective is a synchronization point: all ranks must call the same
+    collectives in the same order with matching kinds, dtypes, sizes, ops and
+    roots. A mismatch is a :class:`ProtocolError` on every rank; it never
+    hangs. Several collectives may be in flight at once; each gets the next
+    sequence number *when it is called* (not when it is awaited), and chunks
+    are routed by that tag.
+
+    On failure (a peer dies, stalls past the idle timeout, disagrees, or sends
+    corrupt data) the collective raises on this rank, every other rank is
+    told, and the peer is *broken*: every later collective raises at once with
+    the original cause. ``close()`` still works.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        transport: Transport,
+        *,
+        timeouts: Timeouts | None = None,
+        chunk_policy: ChunkPolicy | None = None,
+        checksum: Callable[[memoryview], int] | None = None,
+        group: int = 0,
+    ) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ConfigError(f"rank must be in [0, {world_size}), got {rank!r}")
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        self.transport = transport
+        self.timeouts = timeouts or Timeouts()
+        self.chunk_policy = chunk_policy or ChunkPolicy()
+        self.checksum = checksum
+        self.stats = Stats()
+        self.address = ""
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+        self._mailboxes: dict[MailboxKey, _Mailbox] = {}
+        self._ops: dict[int, _Op] = {}
+        self._broken: FerroGrpcError | None = None
+        self._closed = False
+        self._background: set[asyncio.Task[Any]] = set()
+        self.log = logging.LoggerAdapter(logger, {"rank": rank})
+
+    # ---------------------------------------------------------------- setup
+
+    @classmethod
+    async def start(
+        cls,
+        rank: int | None,
+        world_size: int | None,
+        *,
+        rendezvous: Rendezvous | None = None,
+        transport: Transport | None = None,
+        bind_host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        timeouts: Timeouts | None = None,
+        chunk_policy: ChunkPolicy | None = None,
+        checksum: Callable[[memoryview], int] | None = None,
+    ) -> Peer:
+        """Bind, join the rendezvous, connect, and return once every rank has.
+
+        ``rank`` and ``world_size`` may be None when the rendezvous assigns
+        them (the coordinator does). Without a ``rendezvous`` the env://
+        TCPStore rendezvous at MASTER_ADDR:MASTER_PORT is used. Raises
+        RendezvousError if the group is not complete within the connect
+        timeout.
+        """
+        from .rendezvous import StoreRendezvous
+
+        timeouts = timeouts or Timeouts()
+        if transport is None:
+            transport = GrpcTransport(f"{bind_host}:{port}", advertise_host)
+        if rendezvous is None:
+            rendezvous = StoreRendezvous.from_env(rank, world_size, timeout=timeouts.connect)
+        # The handler must exist before the transport serves; rank is filled in
+        # after the rendezvous when the coordinator assigns it.
+        peer = cls.__new__(cls)
+        holder = _Deferred()
+        address = await transport.start(holder)
+        try:
+            result = await rendezvous.exchange(rank, world_size, address)
+            cls.__init__(
+                peer,
+                result.rank,
+                result.world_size,
+                transport,
+                timeouts=timeouts,
+                chunk_policy=chunk_policy,
+                checksum=checksum,
+            )
+            peer.address = address
+            holder.bind(peer)
+            transport.connect(result.addresses)
+            if peer.world_size > 1:
+                await peer._check_ring()
+        except BaseException:
+            await transport.close()
+            raise
+        return peer
+
+    async def _check_ring(self) -> None:
+        try:
+            async with asyncio.timeout(self.timeouts.connect):
+                await self.barrier()
+        except TimeoutError as exc:
+            raise CollectiveTimeoutError(
+                f"the ring did not form within {self.timeouts.connect:g}s", rank=self.rank
+            ) from exc
+
+    def address_of(self, rank: int) -> str:
+        addresses = self.transport.addresses
+        return addresses[rank] if 0 <= rank < len(addresses) else "?"
+
+    # --------------------------------------------------------------- errors
+
+    def error(
+        self,
+        cls: type[FerroGrpcError],
+        message: str,
+        *,
+        op: str | None = None,
+        seq: int | None = None,
+        peer: int | None = None,
+    ) -> FerroGrpcError:
+        return cls(
+            message,
+            rank=self.rank,
+            world_size=self.world_size,
+            op=op,
+            seq=seq,
+            peer=peer,
+            peer_address=self.address_of(peer) if peer is not None else None,
+        )
+
+    def contextualize(
+        self, exc: FerroGrpcError, op: str, seq: int, peer: int | None
+    ) -> FerroGrpcError:
+        """Fill in this rank's identity on an error raised without it."""
+        if exc.rank is not None:
+            return exc
+        culprit = exc.peer if exc.peer is not None else peer
+        return self.error(type(exc), exc.message, op=op, seq=seq, peer=culprit)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise self.error(ConfigError, "this peer is closed")
+        if self._broken is not None:
+            broken = self._broken
+            raise self.error(
+                type(broken),
+                f"the group is broken by an earlier failure: {broken}",
+                peer=broken.peer,
+            ) from broken
+
+    # --------------------------------------------------------- stream intake
+
+    def mailbox(self, key: MailboxKey) -> _Mailbox:
+        box = self._mailboxes.get(key)
+        if box is None:
+            box = self._mailboxes[key] = _Mailbox()
+        return box
+
+    def drop_mailbox(self, key: MailboxKey) -> None:
+        self._mailboxes.pop(key, None)
+
+    async def handle_stream(self, first: bytes, stream: InStream, origin: str) -> None:
+        header, _ = wire.decode(first)
+        if not header.HasField("descriptor"):
+            raise ProtocolError(f"stream from {origin} does not start with a descriptor")
+        if header.group != self.group or header.src_rank >= self.world_size:
+            raise ProtocolError(
+                f"stream from {origin} claims group {header.group} rank {header.src_rank}; "
+                f"this is group {self.group} of {self.world_size} ranks"
+            )
+        if header.src_rank != (self.rank - 1) % self.world_size:
+            raise ProtocolError(
+                f"stream from {origin} claims rank {header.src_rank}, which is not this rank's "
+                "left neighbour"
+            )
+        key = (header.group, header.seq, header.lane, header.src_rank)
+        box = self.mailbox(key)
+        if box.arrived.done():
+            raise ProtocolError(
+                f"duplicate stream for seq {header.seq} lane {header.lane} from {origin}"
+            )
+        box.arrived.set_result((header, stream))
+        try:
+            async with asyncio.timeout(self.timeouts.collective):
+                await asyncio.shield(box.done)
+        except TimeoutError:
+            raise ProtocolError(
+                f"stream for seq {header.seq} from rank {header.src_rank} was never consumed: "
+                "this rank did not run that collective"
+            ) from None
+        finally:
+            if not box.done.done():
+                # The sender went away before we finished reading it.
+                box.done.cancel()
+            self.drop_mailbox(key)
+
+    async def handle_abort(self, message: bytes) -> None:
+        abort = pb.Abort.FromString(message)
+        cls = ERROR_CLASSES.get(abort.error, PeerError)
+        culprit = abort.culprit if abort.culprit >= 0 else None
+        op = self._ops.get(abort.seq)
+        err = self.error(
+            cls,
+            f"rank {abort.from_rank} reported: {abort.message}",
+            op=op.name if op else None,
+            seq=abort.seq,
+            peer=culprit,
+        )
+        self._break(err, broadcast=False)
+
+    def _break(self, err: FerroGrpcError, *, broadcast: bool) -> None:
+        """Enter the broken state: fail every running collective with ``err``
+        and, when this rank found the failure, tell the others."""
+        first = self._broken is None
+        if first:
+            self._broken = err
+        for op in list(self._ops.values()):
+            if op.error is None and op.task is not None and not op.task.done():
+                op.error = err
+                op.task.cancel()
+        if broadcast and first:
+            abort = pb.Abort(
+                group=self.group,
+                seq=err.seq or 0,
+                from_rank=self.rank,
+                error=type(err).__name__,
+                message=str(err),
+                culprit=err.peer if err.peer is not None else -1,
+            ).SerializeToString()
+            for dst in range(self.world_size):
+                if dst != self.rank:
+                    self._spawn(self._send_abort(dst, abort))
+
+    async def _send_abort(self, dst: int, abort: bytes) -> None:
+        try:
+            await self.transport.send_abort(dst, abort, timeout=2.0)
+        except FerroGrpcError as exc:
+            self.log.debug("abort to rank %d not delivered: %s", dst, exc)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ----------------------------------------------------------- running ops
+
+    def _next_seq(self) -> int:
+        with self._seq_lock:
+            self._seq += 1
+            return self._seq
+
+    def _job(
+        self,
+        kind: int,
+        name: str,
+        buffer: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        root: int = 0,
+        out: torch.Tensor | None = None,
+        out_offset: int = 0,
+    ) -> Job:
+        seq = self._next_seq()
+        nbytes = buffer.numel() * buffer.element_size()
+        policy = self.chunk_policy
+        lanes = schedule.lane_count(nbytes, policy.max_lanes, policy.lane_min_bytes)
+        descriptor = pb.Descriptor(
+            kind=kind,  # type: ignore[arg-type]
+            dtype=DTYPE_TO_WIRE[buffer.dtype],  # type: ignore[arg-type]
+            numel=buffer.numel(),
+            reduce_op=OP_TO_WIRE[op] if kind in (pb.ALL_REDUCE, pb.REDUCE_SCATTER) else 0,  # type: ignore[arg-type]
+            root=root,
+            world_size=self.world_size,
+            lanes=lanes,
+            chunk_elems=schedule.chunk_elems_for(policy.chunk_bytes, buffer.element_size()),
+        )
+        return Job(seq, name, descriptor, buffer, op, out, out_offset)
+
+    async def _execute(self, job: Job) -> None:
+        self._check_open()
+        op = _Op(job.seq, job.name)
+        self._ops[job.seq] = op
+        plans = build_plans(job, self.rank, self.world_size, job.descriptor.lanes, job.descriptor.root)
+        runners = [LaneRunner(self, job, lane, plan) for lane, plan in enumerate(plans)]
+        op.task = asyncio.ensure_future(_run_all(runners))
+        try:
+            async with asyncio.timeout(self.timeouts.collective) as deadline:
+                await op.task
+        except asyncio.CancelledError:
+            if op.error is not None:
+                raise op.error from None
+            raise
+        except TimeoutError as exc:
+            if isinstance(exc, FerroGrpcError) or not deadline.expired():
+                raise
+            err = self.error(
+                CollectiveTimeoutError,
+                f"did not finish within the {self.timeouts.collective:g}s collective deadline",
+                op=job.name,
+                seq=job.seq,
+            )
+            self._break(err, broadcast=True)
+            raise err from None
+        except FerroGrpcError as exc:
+            err = self.contextualize(exc, job.name, job.seq, None)
+            self._break(err, broadcast=True)
+            raise err from exc.__cause__
+        except BaseExceptionGroup as group:
+            err = _first_ferro(group) or self.error(
+                PeerError, f"internal failure: {group!r}", op=job.name, seq=job.seq
+            )
+            err = self.contextualize(err, job.name, job.seq, None)
+            self._break(err, broadcast=True)
+            raise err from group
+        finally:
+            self._ops.pop(job.seq, None)
+            self.stats.collectives += 1
+
+    # ------------------------------------------------------- input checking
+
+    def _check_tensor(self, tensor: object, name: str, what: str = "tensor") -> torch.Tensor:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            supported = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+            raise self.error(
+                ConfigError,
+                f"{what} has unsupported dtype {tensor.dtype}; supported: {supported}",
+                op=name,
+            )
+        if tensor.is_sparse:
+            raise self.error(ConfigError, f"{what} is sparse; pass a dense tensor", op=name)
+        return tensor
+
+    def _check_op(self, op: ReduceOp | str, tensor: torch.Tensor, name: str) -> ReduceOp:
+        try:
+            rop = ReduceOp.coerce(op)
+        except ConfigError as exc:
+            raise self.error(ConfigError, exc.message, op=name) from None
+        if rop is ReduceOp.MEAN and not tensor.is_floating_point():
+            raise self.error(
+                ConfigError, f"MEAN is not defined for integer dtype {tensor.dtype}", op=name
+            )
+        return rop
+
+    # ---------------------------------------------------------- collectives
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM) -> Awaitable[torch.Tensor]:
+        """Reduce ``tensor`` across all ranks, in place; returns ``tensor``.
+
+        Ring reduce-scatter then ring all-gather: each rank sends and receives
+        2(n-1)/n of the tensor. Every rank ends with bitwise identical values.
+        Synchronization point. On failure the tensor's contents are
+        unspecified (partly reduced): keep a copy if you need to retry.
+        """
+        self._check_tensor(tensor, "all_reduce")
+        rop = self._check_op(op, tensor, "all_reduce")
+        self._check_open()
+        return self._in_place(tensor, lambda flat: self._job(pb.ALL_REDUCE, "all_reduce", flat, rop))
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> Awaitable[torch.Tensor]:
+        """Copy ``root``'s tensor into every rank's ``tensor``, in place.
+
+        A pipelined chain in ring order from the root: each rank forwards a
+        chunk as soon as it has it. Synchronization point. On failure the
+        tensor's contents are unspecified on non-root ranks.
+        """
+        self._check_tensor(tensor, "broadcast")
+        self._check_root(root, "broadcast")
+        self._check_open()
+        return self._in_place(
+            tensor, lambda flat: self._job(pb.BROADCAST, "broadcast", flat, root=root)
+        )
+
+    def _check_root(self, root: object, name: str) -> None:
+        if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < self.world_size:
+            raise self.error(
+                ConfigError, f"root must be a rank in [0, {self.world_size}), got {root!r}", op=name
+            )
+
+    def _in_place(self, tensor: torch.Tensor, make: Callable[[torch.Tensor], Job]) -> Awaitable[torch.Tensor]:
+        staged, flat = _stage(tensor)
+        job = make(flat)
+
+        async def run() -> torch.Tensor:
+            if self.world_size > 1:
+                await self._execute(job)
+            else:
+                self._check_open()
+            _unstage(tensor, staged)
+            return tensor
+
+        return run()
+
+    def all_gather(self, tensor: torch.Tensor) -> Awaitable[list[torch.Tensor]]:
+        """Gather every rank's ``tensor``; returns one tensor per rank, in rank
+        order, each shaped like ``tensor``. Ring all-gather. Synchronization
+        point."""
+        self._check_tensor(tensor, "all_gather")
+        self._check_open()
+        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        gathered = self.all_gather_into_tensor(out, tensor)
+
+        async def run() -> list[torch.Tensor]:
+            await gathered
+            return list(out.unbind(0))
+
+        return run()
+
+    def all_gather_into_tensor(self, out: torch.Tensor, tensor: torch.Tensor) -> Awaitable[torch.Tensor]:
+        """Gather every rank's ``tensor`` into ``out`` (rank-major);
+        ``out.numel()`` must be ``world_size * tensor.numel()``. Returns
+        ``out``. Synchronization point. On failure ``out`` is unspecified."""
+        self._check_tensor(tensor, "all_gather_into_tensor")
+        self._check_tensor(out, "all_gather_into_tensor", "out")
+        self._check_same_dtype(out, tensor, "all_gather_into_tensor")
+        if out.numel() != self.world_size * tensor.numel():
+            raise self.error(
+                ConfigError,
+                f"out has {out.numel()} elements; expected world_size * tensor.numel() = "
+                f"{self.world_size} * {tensor.numel()} = {self.world_size * tensor.numel()}",
+                op="all_gather_into_tensor",
+            )
+        self._check_open()
+        m = tensor.numel()
+        r = self.rank
+
+        def make(flat: torch.Tensor) -> Job:
+            flat[r * m : (r + 1) * m].copy_(tensor.reshape(-1))
+            return self._job(pb.ALL_GATHER, "all_gather", flat)
+
+        return self._in_place(out, make)
+
+    def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM) -> Awaitable[torch.Tensor]:
+        """Reduce ``tensor`` across ranks and return this rank's part,
+        ``torch.tensor_split(tensor.flatten(), world_size)[rank]`` in shape.
+        ``tensor`` is not modified. Ring reduce-scatter. Synchronization point."""
+        self._check_tensor(tensor, "reduce_scatter")
+        rop = self._check_op(op, tensor, "reduce_scatter")
+        lo, hi = schedule.split_bounds(0, tensor.numel(), self.world_size)[self.rank]
+        out = torch.empty(hi - lo, dtype=tensor.dtype, device=tensor.device)
+        return self._reduce_scatter(out, tensor, rop, lo, "reduce_scatter")
+
+    def reduce_scatter_tensor(
+        self, out: torch.Tensor, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM
+    ) -> Awaitable[torch.Tensor]:
+        """Reduce ``tensor`` across ranks into ``out``, this rank's equal part;
+        ``tensor.numel()`` must be ``world_size * out.numel()``. Returns
+        ``out``. ``tensor`` is not modified. Synchronization point."""
+        self._check_tensor(tensor, "reduce_scatter_tensor")
+        self._check_tensor(out, "reduce_scatter_tensor", "out")
+        self._check_same_dtype(out, tensor, "reduce_scatter_tensor")
+        rop = self._check_op(op, tensor, "reduce_scatter_tensor")
+        if tensor.numel() != self.world_size * out.numel():
+            raise self.error(
+                ConfigError,
+                f"tensor has {tensor.numel()} elements; expected world_size * out.numel() = "
+                f"{self.world_size} * {out.numel()} = {self.world_size * out.numel()}",
+                op="reduce_scatter_tensor",
+            )
+        return self._reduce_scatter(out, tensor, rop, self.rank * out.numel(), "reduce_scatter")
+
+    def _reduce_scatter(
+        self, out: torch.Tensor, tensor: torch.Tensor, op: ReduceOp, offset: int, name: str
+    ) -> Awaitable[torch.Tensor]:
+        self._check_open()
+        source = _host_contiguous(tensor).reshape(-1)
+        staged_out, flat_out = _stage(out)
+        job = self._job(pb.REDUCE_SCATTER, name, source, op, out=flat_out, out_offset=offset)
+
+        async def run() -> torch.Tensor:
+            if self.world_size > 1:
+                await self._execute(job)
+            else:
+                self._check_open()
+                flat_out.copy_(source)
+            _unstage(out, staged_out)
+            return out
+
+        return run()
+
+    def _check_same_dtype(self, out: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+        if out.dtype != tensor.dtype:
+            raise self.error(
+                ConfigError, f"out has dtype {out.dtype} but tensor has {tensor.dtype}", op=name
+            )
+
+    def barrier(self) -> Awaitable[None]:
+        """Return once every rank has entered the barrier. Synchronization point."""
+        self._check_open()
+        token = torch.zeros(self.world_size, dtype=torch.int32)
+        job = self._job(pb.BARRIER, "barrier", token)
+
+        async def run() -> None:
+            if self.world_size > 1:
+                await self._execute(job)
+
+        return run()
+
+    # ---------------------------------------------------------------- close
+
+    async def close(self) -> None:
+        """Stop serving and close every connection. Idempotent. Running
+        collectives fail with PeerError."""
+        if self._closed:
+            return
+        self._closed = True
+        err = self.error(PeerError, "the peer was closed while this collective ran")
+        for op in list(self._ops.values()):
+            if op.error is None and op.task is not None and not op.task.done():
+                op.error = err
+                op.task.cancel()
+        for task in list(self._background):
+            task.cancel()
+        await self.transport.close()
+
+    async def __aenter__(self) -> Peer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class _Deferred(StreamHandler):
+    """Holds streams that arrive before the rendezvous finished (a fast
+    neighbour's barrier) until the peer exists."""
+
+    def __init__(self) -> None:
+        self._peer: asyncio.Future[Peer] = asyncio.get_running_loop().create_future()
+
+    def bind(self, peer: Peer) -> None:
+        self._peer.set_result(peer)
+
+    async def handle_stream(self, first: bytes, stream: InStream, origin: str) -> None:
+        peer = await self._peer
+        await peer.handle_stream(first, stream, origin)
+
+    async def handle_abort(self, message: bytes) -> None:
+        peer = await self._peer
+        await peer.handle_abort(message)
+
+
+async def _run_all(runners: list[LaneRunner]) -> None:
+    if len(runners) == 1:
+        await runners[0].run()
+        return
+    async with asyncio.TaskGroup() as tg:
+        for runner in runners:
+            tg.create_task(runner.run())
+
+
+def _first_ferro(group: BaseExceptionGroup) -> FerroGrpcError | None:  # type: ignore[type-arg]
+    for exc in group.exceptions:
+        if isinstance(exc, FerroGrpcError):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            found = _first_ferro(exc)
+            if found is not None:
+                return found
+    return None
+
+
+def _host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type != "cpu":
+        return tensor.detach().to("cpu")
+    return tensor.detach().contiguous()
+
+
+def _stage(tensor: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """A flat contiguous CPU view to work on, and the staging copy (if one
+    was needed) to copy back with :func:`_unstage`."""
+    t = tensor.detach()
+    if t.device.type == "cpu" and t.is_contiguous():
+        return None, t.view(-1)
+    staged = t.to("cpu").contiguous()
+    if staged.data_ptr() == t.data_ptr() and t.numel():
+        staged = staged.clone()
+    return staged, staged.view(-1)
+
+
+def _unstage(tensor: torch.Tensor, staged: torch.Tensor | None) -> None:
+    if staged is not None:
+        with torch.no_grad():
+            tensor.copy_(staged.view(tensor.shape))

@@ -1,0 +1,371 @@
+"""Transports move framed chunk messages between peers; algorithms never see grpc.
+
+A transport offers outgoing streams to a destination rank (one per
+collective and lane) and delivers incoming streams to the peer's
+:class:`StreamHandler`, plus a small unary control message (abort). Two
+implementations: :class:`GrpcTransport` (the real one) and
+:class:`MemoryTransport` (in-process queues, for fast deterministic tests).
+This module is the one place where grpc errors become ferrogrpc errors.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+import grpc
+import grpc.aio
+
+from .errors import FerroGrpcError, PeerError, ProtocolError
+
+SERVICE = "ferrogrpc.v1.Collective"
+SEND_METHOD = f"/{SERVICE}/Send"
+ABORT_METHOD = f"/{SERVICE}/Abort"
+
+
+class InStream(Protocol):
+    async def read(self) -> bytes | None:
+        """The next message, or None at the end of the stream."""
+        ...
+
+
+class OutStream(Protocol):
+    async def write(self, message: bytes) -> None: ...
+
+    async def close(self) -> None:
+        """Finish the stream and wait until the receiver has consumed it."""
+        ...
+
+    def cancel(self) -> None: ...
+
+
+class StreamHandler(Protocol):
+    async def handle_stream(self, first: bytes, stream: InStream, origin: str) -> None:
+        """Take an incoming stream; return once it has been consumed. Raising
+        FerroGrpcError fails the stream at the sender with that message."""
+        ...
+
+    async def handle_abort(self, message: bytes) -> None: ...
+
+
+class Transport(abc.ABC):
+    """Moves bytes between ranks. ``start`` binds and returns the address to
+    advertise; ``connect`` learns everyone's addresses."""
+
+    addresses: list[str]
+
+    @abc.abstractmethod
+    async def start(self, handler: StreamHandler) -> str: ...
+
+    def connect(self, addresses: list[str]) -> None:
+        self.addresses = list(addresses)
+
+    @abc.abstractmethod
+    async def open(self, dst: int, lane: int) -> OutStream: ...
+
+    @abc.abstractmethod
+    async def send_abort(self, dst: int, message: bytes, timeout: float) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+def _peer_error(exc: BaseException, dst: int, address: str, what: str) -> FerroGrpcError:
+    """Translate a failed RPC into the error a user sees."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        code = exc.code()
+        details = exc.details() or ""
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return ProtocolError(details, peer=dst, peer_address=address)
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return PeerError(
+                f"{what}: rank {dst} refused our credentials: {details}",
+                peer=dst,
+                peer_address=address,
+            )
+        if code == grpc.StatusCode.ABORTED:
+            return PeerError(details, peer=dst, peer_address=address)
+        return PeerError(
+            f"{what}: rank {dst} at {address} failed ({code.name}: {details})",
+            peer=dst,
+            peer_address=address,
+        )
+    return PeerError(f"{what}: rank {dst} at {address}: {exc!r}", peer=dst, peer_address=address)
+
+
+# --------------------------------------------------------------------- grpc
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+class _GrpcOutStream:
+    def __init__(self, call: Any, dst: int, address: str) -> None:
+        # Keep the call referenced: a collected call is cancelled.
+        self._call = call
+        self._dst = dst
+        self._address = address
+
+    async def write(self, message: bytes) -> None:
+        try:
+            await self._call.write(message)
+        except Exception as exc:  # noqa: BLE001 - translated below
+            raise await self._failure(exc) from exc
+
+    async def close(self) -> None:
+        try:
+            await self._call.done_writing()
+            await self._call
+        except Exception as exc:  # noqa: BLE001
+            raise await self._failure(exc) from exc
+
+    async def _failure(self, exc: BaseException) -> FerroGrpcError:
+        # A failed write only says "the stream is gone"; the status says why.
+        cause: BaseException = exc
+        if not isinstance(exc, grpc.aio.AioRpcError):
+            try:
+                await asyncio.wait_for(self._call, timeout=1.0)
+            except grpc.aio.AioRpcError as status:
+                cause = status
+            except Exception:  # noqa: BLE001, S110
+                pass
+        return _peer_error(cause, self._dst, self._address, "sending")
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class _GrpcInStream:
+    def __init__(self, iterator: AsyncIterator[bytes]) -> None:
+        self._iterator = iterator
+
+    async def read(self) -> bytes | None:
+        try:
+            return await self._iterator.__anext__()
+        except StopAsyncIteration:
+            return None
+
+
+ServerInterceptors = list[grpc.aio.ServerInterceptor]
+
+
+class GrpcTransport(Transport):
+    """Chunks over grpc.aio: a client-streaming ``Send`` RPC per (collective,
+    lane), on one channel (one TCP connection) per lane, with raw-bytes
+    (de)serializers so the bulk path builds no protobuf objects."""
+
+    def __init__(
+        self,
+        bind: str = "127.0.0.1:0",
+        advertise_host: str | None = None,
+        *,
+        max_message_bytes: int = 80 << 20,
+        server_credentials: grpc.ServerCredentials | None = None,
+        channel_credentials: grpc.ChannelCredentials | None = None,
+        call_credentials: grpc.CallCredentials | None = None,
+        interceptors: ServerInterceptors | None = None,
+    ) -> None:
+        self._bind = bind
+        self._advertise_host = advertise_host
+        self._max = max_message_bytes
+        self._server_credentials = server_credentials
+        self._channel_credentials = channel_credentials
+        self._call_credentials = call_credentials
+        self._interceptors = interceptors or []
+        self._server: grpc.aio.Server | None = None
+        self._channels: dict[tuple[int, int], grpc.aio.Channel] = {}
+        self._handler: StreamHandler | None = None
+        self.addresses = []
+        self.port = 0
+
+    def _options(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.max_receive_message_length", self._max),
+            ("grpc.max_send_message_length", self._max),
+            ("grpc.so_reuseport", 0),
+        ]
+
+    async def start(self, handler: StreamHandler) -> str:
+        self._handler = handler
+        server = grpc.aio.server(options=self._options(), interceptors=self._interceptors)
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    SERVICE,
+                    {
+                        "Send": grpc.stream_unary_rpc_method_handler(self._serve_send),
+                        "Abort": grpc.unary_unary_rpc_method_handler(self._serve_abort),
+                    },
+                ),
+            )
+        )
+        if self._server_credentials is not None:
+            port = server.add_secure_port(self._bind, self._server_credentials)
+        else:
+            port = server.add_insecure_port(self._bind)
+        if port == 0:
+            raise PeerError(f"could not bind a gRPC server on {self._bind}")
+        await server.start()
+        self._server = server
+        self.port = port
+        host = self._advertise_host or self._bind.rsplit(":", 1)[0]
+        if host in ("0.0.0.0", "[::]", ""):
+            host = "127.0.0.1"
+        return f"{host}:{port}"
+
+    async def _serve_send(
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> bytes:
+        assert self._handler is not None
+        iterator = request_iterator.__aiter__()
+        try:
+            first = await iterator.__anext__()
+        except StopAsyncIteration:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
+        try:
+            await self._handler.handle_stream(first, _GrpcInStream(iterator), context.peer())
+        except ProtocolError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except FerroGrpcError as exc:
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
+        return b""
+
+    async def _serve_abort(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        assert self._handler is not None
+        await self._handler.handle_abort(request)
+        return b""
+
+    def _channel(self, dst: int, lane: int) -> grpc.aio.Channel:
+        key = (dst, lane)
+        channel = self._channels.get(key)
+        if channel is None:
+            address = self.addresses[dst]
+            # A private subchannel pool gives every lane its own TCP connection.
+            options = [*self._options(), ("grpc.use_local_subchannel_pool", 1)]
+            if self._channel_credentials is not None:
+                creds = self._channel_credentials
+                if self._call_credentials is not None:
+                    creds = grpc.composite_channel_credentials(creds, self._call_credentials)
+                channel = grpc.aio.secure_channel(address, creds, options=options)
+            else:
+                channel = grpc.aio.insecure_channel(address, options=options)
+            self._channels[key] = channel
+        return channel
+
+    async def open(self, dst: int, lane: int) -> OutStream:
+        channel = self._channel(dst, lane)
+        method = channel.stream_unary(
+            SEND_METHOD, request_serializer=_identity, response_deserializer=_identity
+        )
+        return _GrpcOutStream(method(), dst, self.addresses[dst])
+
+    async def send_abort(self, dst: int, message: bytes, timeout: float) -> None:
+        method = self._channel(dst, 0).unary_unary(
+            ABORT_METHOD, request_serializer=_identity, response_deserializer=_identity
+        )
+        try:
+            await method(message, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _peer_error(exc, dst, self.addresses[dst], "abort") from exc
+
+    async def close(self) -> None:
+        channels = list(self._channels.values())
+        self._channels.clear()
+        for channel in channels:
+            await channel.close()
+        if self._server is not None:
+            server, self._server = self._server, None
+            await server.stop(grace=0.5)
+
+
+# ------------------------------------------------------------------- memory
+
+
+class _MemoryInStream:
+    def __init__(self, window: int) -> None:
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=window)
+
+    async def read(self) -> bytes | None:
+        return await self.queue.get()
+
+
+class _MemoryOutStream:
+    def __init__(self, target: MemoryTransport, window: int, dst: int) -> None:
+        self._target = target
+        self._window = window
+        self._dst = dst
+        self._stream: _MemoryInStream | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def write(self, message: bytes) -> None:
+        if self._task is None:
+            handler = self._target.handler
+            if handler is None or self._target.closed:
+                raise PeerError(f"sending: rank {self._dst} is not serving", peer=self._dst)
+            self._stream = _MemoryInStream(self._window)
+            self._task = asyncio.ensure_future(
+                handler.handle_stream(message, self._stream, "memory")
+            )
+            return
+        assert self._stream is not None
+        if self._task.done():
+            await self._task  # re-raises the receiver's failure
+            raise PeerError("sending: receiver finished early", peer=self._dst)
+        await self._stream.queue.put(message)
+
+    async def close(self) -> None:
+        if self._task is None:
+            return
+        assert self._stream is not None
+        if not self._task.done():
+            await self._stream.queue.put(None)
+        await self._task
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+class MemoryTransport(Transport):
+    """In-process transport: bounded asyncio queues stand in for HTTP/2 streams.
+    Peers find each other through a shared registry dict."""
+
+    _ids = itertools.count()
+
+    def __init__(self, registry: dict[str, MemoryTransport], window: int = 4) -> None:
+        self._registry = registry
+        self._window = window
+        self.handler: StreamHandler | None = None
+        self.closed = False
+        self.addresses = []
+        self.abort_filter: Callable[[bytes], bool] | None = None
+
+    async def start(self, handler: StreamHandler) -> str:
+        self.handler = handler
+        address = f"memory:{next(self._ids)}"
+        self._registry[address] = self
+        return address
+
+    def _target(self, dst: int) -> MemoryTransport:
+        target = self._registry.get(self.addresses[dst])
+        if target is None:
+            raise PeerError(f"rank {dst} is gone", peer=dst, peer_address=self.addresses[dst])
+        return target
+
+    async def open(self, dst: int, lane: int) -> OutStream:
+        return _MemoryOutStream(self._target(dst), self._window, dst)
+
+    async def send_abort(self, dst: int, message: bytes, timeout: float) -> None:
+        target = self._target(dst)
+        if target.handler is not None and not target.closed:
+            await target.handler.handle_abort(message)
+
+    async def close(self) -> None:
+        self.closed = True
+        for address, transport in list(self._registry.items()):
+            if transport is self:
+                del self._registry[address]

@@ -1,0 +1,1 @@
+"""Generated protobuf code for the ferrogrpc v1 wire contract (see proto/)."""
