@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ipaddress
 import os
 import threading
@@ -75,7 +76,13 @@ class Backend:
     idempotent.
     """
 
-    def __init__(self, peer: Peer, loop: asyncio.AbstractEventLoop, thread: threading.Thread, rendezvous: object | None = None) -> None:
+    def __init__(
+        self,
+        peer: Peer,
+        loop: asyncio.AbstractEventLoop,
+        thread: threading.Thread,
+        rendezvous: object | None = None,
+    ) -> None:
         self._peer = peer
         self._loop = loop
         self._thread = thread
@@ -113,66 +120,123 @@ class Backend:
 
     def _check(self) -> None:
         if self._closed:
-            raise ConfigError("this backend is closed", rank=self._peer.rank, world_size=self.world_size)
+            raise ConfigError(
+                "this backend is closed", rank=self._peer.rank, world_size=self.world_size
+            )
 
     @overload
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str = ..., *, async_op: Literal[False] = ...) -> torch.Tensor: ...
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp | str = ..., *, async_op: Literal[False] = ...
+    ) -> torch.Tensor: ...
     @overload
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str = ..., *, async_op: Literal[True]) -> Work[torch.Tensor]: ...
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *, async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp | str = ..., *, async_op: Literal[True]
+    ) -> Work[torch.Tensor]: ...
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *, async_op: bool = False
+    ) -> torch.Tensor | Work[torch.Tensor]:
         """Reduce ``tensor`` in place across ranks; returns it. See Peer.all_reduce."""
         self._check()
-        return self._submit(self._peer.all_reduce(tensor, op), "all_reduce", async_op)  # type: ignore[arg-type]
+        return self._submit(self._peer.all_reduce(tensor, op), "all_reduce", async_op)
 
     @overload
-    def all_gather(self, tensor: torch.Tensor, *, async_op: Literal[False] = ...) -> list[torch.Tensor]: ...
+    def all_gather(
+        self, tensor: torch.Tensor, *, async_op: Literal[False] = ...
+    ) -> list[torch.Tensor]: ...
     @overload
-    def all_gather(self, tensor: torch.Tensor, *, async_op: Literal[True]) -> Work[list[torch.Tensor]]: ...
-    def all_gather(self, tensor: torch.Tensor, *, async_op: bool = False) -> list[torch.Tensor] | Work[list[torch.Tensor]]:
+    def all_gather(
+        self, tensor: torch.Tensor, *, async_op: Literal[True]
+    ) -> Work[list[torch.Tensor]]: ...
+    def all_gather(
+        self, tensor: torch.Tensor, *, async_op: bool = False
+    ) -> list[torch.Tensor] | Work[list[torch.Tensor]]:
         """One tensor per rank, in rank order. See Peer.all_gather."""
         self._check()
-        return self._submit(self._peer.all_gather(tensor), "all_gather", async_op)  # type: ignore[arg-type]
+        return self._submit(self._peer.all_gather(tensor), "all_gather", async_op)
 
     @overload
-    def all_gather_into_tensor(self, out: torch.Tensor, tensor: torch.Tensor, *, async_op: Literal[False] = ...) -> torch.Tensor: ...
+    def all_gather_into_tensor(
+        self, out: torch.Tensor, tensor: torch.Tensor, *, async_op: Literal[False] = ...
+    ) -> torch.Tensor: ...
     @overload
-    def all_gather_into_tensor(self, out: torch.Tensor, tensor: torch.Tensor, *, async_op: Literal[True]) -> Work[torch.Tensor]: ...
-    def all_gather_into_tensor(self, out: torch.Tensor, tensor: torch.Tensor, *, async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
+    def all_gather_into_tensor(
+        self, out: torch.Tensor, tensor: torch.Tensor, *, async_op: Literal[True]
+    ) -> Work[torch.Tensor]: ...
+    def all_gather_into_tensor(
+        self, out: torch.Tensor, tensor: torch.Tensor, *, async_op: bool = False
+    ) -> torch.Tensor | Work[torch.Tensor]:
         """Gather into ``out``, rank-major. See Peer.all_gather_into_tensor."""
         self._check()
-        return self._submit(self._peer.all_gather_into_tensor(out, tensor), "all_gather_into_tensor", async_op)  # type: ignore[arg-type]
+        return self._submit(
+            self._peer.all_gather_into_tensor(out, tensor), "all_gather_into_tensor", async_op
+        )
 
     @overload
-    def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = ..., *, async_op: Literal[False] = ...) -> torch.Tensor: ...
+    def reduce_scatter(
+        self, tensor: torch.Tensor, op: ReduceOp | str = ..., *, async_op: Literal[False] = ...
+    ) -> torch.Tensor: ...
     @overload
-    def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = ..., *, async_op: Literal[True]) -> Work[torch.Tensor]: ...
-    def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *, async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
+    def reduce_scatter(
+        self, tensor: torch.Tensor, op: ReduceOp | str = ..., *, async_op: Literal[True]
+    ) -> Work[torch.Tensor]: ...
+    def reduce_scatter(
+        self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *, async_op: bool = False
+    ) -> torch.Tensor | Work[torch.Tensor]:
         """This rank's reduced part. See Peer.reduce_scatter."""
         self._check()
-        return self._submit(self._peer.reduce_scatter(tensor, op), "reduce_scatter", async_op)  # type: ignore[arg-type]
+        return self._submit(self._peer.reduce_scatter(tensor, op), "reduce_scatter", async_op)
 
     @overload
-    def reduce_scatter_tensor(self, out: torch.Tensor, tensor: torch.Tensor, op: ReduceOp | str = ..., *, async_op: Literal[False] = ...) -> torch.Tensor: ...
+    def reduce_scatter_tensor(
+        self,
+        out: torch.Tensor,
+        tensor: torch.Tensor,
+        op: ReduceOp | str = ...,
+        *,
+        async_op: Literal[False] = ...,
+    ) -> torch.Tensor: ...
     @overload
-    def reduce_scatter_tensor(self, out: torch.Tensor, tensor: torch.Tensor, op: ReduceOp | str = ..., *, async_op: Literal[True]) -> Work[torch.Tensor]: ...
-    def reduce_scatter_tensor(self, out: torch.Tensor, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *, async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
+    def reduce_scatter_tensor(
+        self,
+        out: torch.Tensor,
+        tensor: torch.Tensor,
+        op: ReduceOp | str = ...,
+        *,
+        async_op: Literal[True],
+    ) -> Work[torch.Tensor]: ...
+    def reduce_scatter_tensor(
+        self,
+        out: torch.Tensor,
+        tensor: torch.Tensor,
+        op: ReduceOp | str = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+    ) -> torch.Tensor | Work[torch.Tensor]:
         """Reduce into ``out``. See Peer.reduce_scatter_tensor."""
         self._check()
-        return self._submit(self._peer.reduce_scatter_tensor(out, tensor, op), "reduce_scatter_tensor", async_op)  # type: ignore[arg-type]
+        return self._submit(
+            self._peer.reduce_scatter_tensor(out, tensor, op), "reduce_scatter_tensor", async_op
+        )
 
     @overload
-    def broadcast(self, tensor: torch.Tensor, root: int = ..., *, async_op: Literal[False] = ...) -> torch.Tensor: ...
+    def broadcast(
+        self, tensor: torch.Tensor, root: int = ..., *, async_op: Literal[False] = ...
+    ) -> torch.Tensor: ...
     @overload
-    def broadcast(self, tensor: torch.Tensor, root: int = ..., *, async_op: Literal[True]) -> Work[torch.Tensor]: ...
-    def broadcast(self, tensor: torch.Tensor, root: int = 0, *, async_op: bool = False) -> torch.Tensor | Work[torch.Tensor]:
+    def broadcast(
+        self, tensor: torch.Tensor, root: int = ..., *, async_op: Literal[True]
+    ) -> Work[torch.Tensor]: ...
+    def broadcast(
+        self, tensor: torch.Tensor, root: int = 0, *, async_op: bool = False
+    ) -> torch.Tensor | Work[torch.Tensor]:
         """Copy root's tensor into every rank's, in place. See Peer.broadcast."""
         self._check()
-        return self._submit(self._peer.broadcast(tensor, root), "broadcast", async_op)  # type: ignore[arg-type]
+        return self._submit(self._peer.broadcast(tensor, root), "broadcast", async_op)
 
     def barrier(self) -> None:
         """Return once every rank has entered. Synchronization point."""
         self._check()
-        self._submit(self._peer.barrier(), "barrier", False)  # type: ignore[arg-type]
+        self._submit(self._peer.barrier(), "barrier", False)
 
     def close(self) -> None:
         """Close the peer, stop the loop thread. Idempotent; safe after a failure."""
@@ -182,10 +246,8 @@ class Backend:
             self._closed = True
         if self._loop.is_running():
             future = asyncio.run_coroutine_threadsafe(self._peer.close(), self._loop)
-            try:
+            with contextlib.suppress(concurrent.futures.TimeoutError, FerroGrpcError):
                 future.result(timeout=10)
-            except (concurrent.futures.TimeoutError, FerroGrpcError):
-                pass
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         if not self._loop.is_running() and not self._loop.is_closed():
@@ -268,14 +330,20 @@ def init_backend(
         rendezvous = CoordinatorRendezvous(coordinator, timeout=timeouts.connect)
         target_host = coordinator.rsplit(":", 1)[0]
     else:
-        store = StoreRendezvous.from_env(rank, world_size, master_addr, master_port, timeout=timeouts.connect)
+        store = StoreRendezvous.from_env(
+            rank, world_size, master_addr, master_port, timeout=timeouts.connect
+        )
         rendezvous = store
         target_host = store.master_addr
-    bind = bind_host or os.environ.get(BIND_HOST_ENV) or (
-        "127.0.0.1" if _is_loopback(target_host) else "0.0.0.0"  # noqa: S104 - multi-host needs it
+    bind = (
+        bind_host
+        or os.environ.get(BIND_HOST_ENV)
+        or ("127.0.0.1" if _is_loopback(target_host) else "0.0.0.0")
     )
-    advertise = advertise_host or os.environ.get(ADVERTISE_HOST_ENV) or (
-        "127.0.0.1" if _is_loopback(target_host) else route_host(target_host)
+    advertise = (
+        advertise_host
+        or os.environ.get(ADVERTISE_HOST_ENV)
+        or ("127.0.0.1" if _is_loopback(target_host) else route_host(target_host))
     )
     bind_port = port if port is not None else int(os.environ.get(PORT_ENV, "0") or 0)
     from .integrity import resolve_checksum

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 class Counter:
     """A monotonic counter that coroutines can wait on."""
 
-    __slots__ = ("value", "_waiters")
+    __slots__ = ("_waiters", "value")
 
     def __init__(self) -> None:
         self.value = 0
@@ -60,7 +60,7 @@ class Counter:
 
 
 # Reductions applied to a received chunk: out = a (op) b.
-_REDUCERS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]] = {
+_REDUCERS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]] = {
     ReduceOp.SUM: lambda a, b, out: torch.add(a, b, out=out),
     ReduceOp.MEAN: lambda a, b, out: torch.add(a, b, out=out),
     ReduceOp.MAX: lambda a, b, out: torch.maximum(a, b, out=out),
@@ -124,8 +124,6 @@ class LaneRunner:
         self.left = (peer.rank - 1) % self.world
         self.itemsize = job.buffer.element_size()
         self.received = Counter()
-        self.forwarded = Counter()
-        self.produced = 0
         # Out-of-place reduce-scatter keeps reduced chunks here until forwarded.
         self.scratch: dict[int, torch.Tensor] = {}
         self.in_place = job.out is None
@@ -144,7 +142,7 @@ class LaneRunner:
         return pb.ChunkHeader(
             group=self.peer.group,
             seq=self.job.seq,
-            kind=self.job.kind,
+            kind=self.job.kind,  # type: ignore[arg-type]
             src_rank=self.peer.rank,
             lane=self.lane,
         )
@@ -178,7 +176,6 @@ class LaneRunner:
                     await self.received.wait_for(item.after)
                 if item.from_recv >= 0 and not self.in_place:
                     data = self.scratch.pop(item.from_recv)
-                    self.forwarded.advance()
                 else:
                     data = flat[item.lo : item.hi]
                 payload = _bytes_view(data)
@@ -262,7 +259,6 @@ class LaneRunner:
         itemsize = self.itemsize
         reduce = _REDUCERS[job.op]
         mean = job.op is ReduceOp.MEAN
-        window = peer.chunk_policy.window
         checksum = peer.checksum
         for index, item in enumerate(self.plan.recvs):
             message = await self._read(stream, f"chunk {item.chunk} of step {item.step}")
@@ -276,7 +272,9 @@ class LaneRunner:
             try:
                 header, payload = wire.decode(message)
             except ProtocolError as exc:
-                raise self._error(ProtocolError, f"from rank {self.left}: {exc.message}", self.left)
+                raise self._error(
+                    ProtocolError, f"from rank {self.left}: {exc.message}", self.left
+                ) from exc
             nbytes = (item.hi - item.lo) * itemsize
             if (
                 header.seq != job.seq
@@ -296,15 +294,14 @@ class LaneRunner:
                     f"lane={self.lane} bytes={nbytes})",
                     self.left,
                 )
-            if checksum is not None:
-                if not header.has_crc or checksum(payload) != header.crc32c:
-                    raise self._error(
-                        ProtocolError,
-                        f"chunk {item.chunk} of step {item.step} from rank {self.left} "
-                        f"({peer.address_of(self.left)}) failed its CRC32C check: corrupted in "
-                        "flight; it was discarded",
-                        self.left,
-                    )
+            if checksum is not None and (not header.has_crc or checksum(payload) != header.crc32c):
+                raise self._error(
+                    ProtocolError,
+                    f"chunk {item.chunk} of step {item.step} from rank {self.left} "
+                    f"({peer.address_of(self.left)}) failed its CRC32C check: corrupted in "
+                    "flight; it was discarded",
+                    self.left,
+                )
             if nbytes:
                 incoming = torch.frombuffer(payload, dtype=dtype)
                 if item.action == COPY:
@@ -321,15 +318,15 @@ class LaneRunner:
                     if mean:
                         target.div_(self.world)
                 else:
-                    # Bound the chunks held for forwarding (flow control).
-                    if self.produced - self.forwarded.value >= window:
-                        await self.forwarded.wait_for(self.produced - window + 1)
+                    # Out of place: hold the partial sum until it is forwarded.
+                    # No backpressure here: waiting for our own sender while it
+                    # waits for the right neighbour's receiver would close a
+                    # cycle around the ring. The sender forwards in order, so
+                    # at most one segment (1/world of the tensor) is held.
                     self.scratch[index] = torch.empty(item.hi - item.lo, dtype=dtype)
                     reduce(flat[item.lo : item.hi], incoming, self.scratch[index])
-                    self.produced += 1
             elif not self.in_place and item.action != COPY and item.action != REDUCE_LAST:
                 self.scratch[index] = flat[item.lo : item.hi]
-                self.produced += 1
             peer.stats.bytes_received += nbytes
             self.received.advance()
         tail = await self._read(stream, "the end of the stream")
@@ -358,7 +355,7 @@ def _bytes_view(data: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous 1-D CPU tensor."""
     if data.numel() == 0:
         return memoryview(b"")
-    return memoryview(data.view(torch.uint8).numpy())
+    return memoryview(data.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def build_plans(job: Job, rank: int, world: int, policy_lanes: int, root: int) -> list[LanePlan]:
@@ -367,7 +364,9 @@ def build_plans(job: Job, rank: int, world: int, policy_lanes: int, root: int) -
     layout_world = 1 if desc.kind == pb.BROADCAST else world
     layout = schedule.Layout.build(desc.numel, layout_world, policy_lanes, desc.chunk_elems)
     if desc.kind == pb.BROADCAST:
-        return [schedule.broadcast_plan(layout, lane, rank, root, world) for lane in range(policy_lanes)]
+        return [
+            schedule.broadcast_plan(layout, lane, rank, root, world) for lane in range(policy_lanes)
+        ]
     if desc.kind in (pb.ALL_REDUCE, pb.BARRIER):
         steps = schedule.all_reduce_steps(rank, world)
     elif desc.kind == pb.REDUCE_SCATTER:

@@ -80,6 +80,6 @@ def wire_op_name(code: int) -> str:
 
 def kind_name(code: int) -> str:
     try:
-        return pb.CollectiveKind.Name(code).lower()  # type: ignore[arg-type]
+        return pb.CollectiveKind.Name(code).lower()
     except ValueError:
         return f"<kind {code}>"

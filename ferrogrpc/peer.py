@@ -4,10 +4,11 @@ streams to the collective that waits for them, and runs the collectives."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import torch
@@ -29,6 +30,10 @@ from .transport import GrpcTransport, InStream, StreamHandler, Transport
 from .v1 import collective_pb2 as pb
 
 logger = logging.getLogger("ferrogrpc")
+
+# How long a rank whose stream broke waits for the abort message that names
+# the root cause, before reporting the broken stream itself.
+ABORT_GRACE_S = 1.0
 
 T = TypeVar("T")
 MailboxKey = tuple[int, int, int, int]  # (group, seq, lane, src_rank)
@@ -112,6 +117,8 @@ class Peer(StreamHandler):
         self._broken: FerroGrpcError | None = None
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
+        self._abort_arrived = asyncio.Event()
+        self._rendezvous: object | None = None
         self.log = logging.LoggerAdapter(logger, {"rank": rank})
 
     # ---------------------------------------------------------------- setup
@@ -163,14 +170,26 @@ class Peer(StreamHandler):
                 checksum=checksum,
             )
             peer.address = address
+            peer._rendezvous = rendezvous
             holder.bind(peer)
             transport.connect(result.addresses)
             if peer.world_size > 1:
                 await peer._check_ring()
         except BaseException:
             await transport.close()
+            await _close_rendezvous(rendezvous)
             raise
+        start_heartbeats = getattr(rendezvous, "start_heartbeats", None)
+        if start_heartbeats is not None:
+            start_heartbeats(peer.current_collective)
         return peer
+
+    def current_collective(self) -> tuple[str, int]:
+        """The oldest collective in flight, as (name, seq), or ("", last seq)."""
+        if self._ops:
+            op = self._ops[min(self._ops)]
+            return op.name, op.seq
+        return "", self._seq
 
     async def _check_ring(self) -> None:
         try:
@@ -284,6 +303,7 @@ class Peer(StreamHandler):
             seq=abort.seq,
             peer=culprit,
         )
+        self._abort_arrived.set()
         self._break(err, broadcast=False)
 
     def _break(self, err: FerroGrpcError, *, broadcast: bool) -> None:
@@ -357,7 +377,9 @@ class Peer(StreamHandler):
         self._check_open()
         op = _Op(job.seq, job.name)
         self._ops[job.seq] = op
-        plans = build_plans(job, self.rank, self.world_size, job.descriptor.lanes, job.descriptor.root)
+        plans = build_plans(
+            job, self.rank, self.world_size, job.descriptor.lanes, job.descriptor.root
+        )
         runners = [LaneRunner(self, job, lane, plan) for lane, plan in enumerate(plans)]
         op.task = asyncio.ensure_future(_run_all(runners))
         try:
@@ -379,19 +401,42 @@ class Peer(StreamHandler):
             self._break(err, broadcast=True)
             raise err from None
         except FerroGrpcError as exc:
-            err = self.contextualize(exc, job.name, job.seq, None)
-            self._break(err, broadcast=True)
-            raise err from exc.__cause__
+            raise await self._failed(job, exc) from exc.__cause__
         except BaseExceptionGroup as group:
             err = _first_ferro(group) or self.error(
                 PeerError, f"internal failure: {group!r}", op=job.name, seq=job.seq
             )
-            err = self.contextualize(err, job.name, job.seq, None)
-            self._break(err, broadcast=True)
-            raise err from group
+            raise await self._failed(job, err) from group
         finally:
             self._ops.pop(job.seq, None)
             self.stats.collectives += 1
+
+    async def _failed(self, job: Job, exc: FerroGrpcError) -> FerroGrpcError:
+        """Decide what a failed collective raises, and tell the other ranks."""
+        err = self.contextualize(exc, job.name, job.seq, None)
+        if isinstance(err, PeerError) and self._broken is None:
+            # A broken stream is often the echo of a failure another rank found
+            # (a mismatch, a timeout); its abort message carries the cause and
+            # is usually a moment behind. Prefer it, so every rank reports the
+            # same root cause.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(ABORT_GRACE_S):
+                    await self._abort_arrived.wait()
+        if self._broken is not None:
+            broken = self._broken
+            if broken.seq == job.seq or broken.op is None:
+                return self.error(
+                    type(broken), broken.message, op=job.name, seq=job.seq, peer=broken.peer
+                )
+            return self.error(
+                type(broken),
+                f"aborted because {broken.op}#{broken.seq} failed: {broken.message}",
+                op=job.name,
+                seq=job.seq,
+                peer=broken.peer,
+            )
+        self._break(err, broadcast=True)
+        return err
 
     # ------------------------------------------------------- input checking
 
@@ -422,7 +467,9 @@ class Peer(StreamHandler):
 
     # ---------------------------------------------------------- collectives
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM) -> Awaitable[torch.Tensor]:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM
+    ) -> Coroutine[Any, Any, torch.Tensor]:
         """Reduce ``tensor`` across all ranks, in place; returns ``tensor``.
 
         Ring reduce-scatter then ring all-gather: each rank sends and receives
@@ -433,9 +480,11 @@ class Peer(StreamHandler):
         self._check_tensor(tensor, "all_reduce")
         rop = self._check_op(op, tensor, "all_reduce")
         self._check_open()
-        return self._in_place(tensor, lambda flat: self._job(pb.ALL_REDUCE, "all_reduce", flat, rop))
+        return self._in_place(
+            tensor, lambda flat: self._job(pb.ALL_REDUCE, "all_reduce", flat, rop)
+        )
 
-    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> Awaitable[torch.Tensor]:
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> Coroutine[Any, Any, torch.Tensor]:
         """Copy ``root``'s tensor into every rank's ``tensor``, in place.
 
         A pipelined chain in ring order from the root: each rank forwards a
@@ -455,7 +504,9 @@ class Peer(StreamHandler):
                 ConfigError, f"root must be a rank in [0, {self.world_size}), got {root!r}", op=name
             )
 
-    def _in_place(self, tensor: torch.Tensor, make: Callable[[torch.Tensor], Job]) -> Awaitable[torch.Tensor]:
+    def _in_place(
+        self, tensor: torch.Tensor, make: Callable[[torch.Tensor], Job]
+    ) -> Coroutine[Any, Any, torch.Tensor]:
         staged, flat = _stage(tensor)
         job = make(flat)
 
@@ -469,13 +520,15 @@ class Peer(StreamHandler):
 
         return run()
 
-    def all_gather(self, tensor: torch.Tensor) -> Awaitable[list[torch.Tensor]]:
+    def all_gather(self, tensor: torch.Tensor) -> Coroutine[Any, Any, list[torch.Tensor]]:
         """Gather every rank's ``tensor``; returns one tensor per rank, in rank
         order, each shaped like ``tensor``. Ring all-gather. Synchronization
         point."""
         self._check_tensor(tensor, "all_gather")
         self._check_open()
-        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        out = torch.empty(
+            (self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device
+        )
         gathered = self.all_gather_into_tensor(out, tensor)
 
         async def run() -> list[torch.Tensor]:
@@ -484,7 +537,9 @@ class Peer(StreamHandler):
 
         return run()
 
-    def all_gather_into_tensor(self, out: torch.Tensor, tensor: torch.Tensor) -> Awaitable[torch.Tensor]:
+    def all_gather_into_tensor(
+        self, out: torch.Tensor, tensor: torch.Tensor
+    ) -> Coroutine[Any, Any, torch.Tensor]:
         """Gather every rank's ``tensor`` into ``out`` (rank-major);
         ``out.numel()`` must be ``world_size * tensor.numel()``. Returns
         ``out``. Synchronization point. On failure ``out`` is unspecified."""
@@ -508,7 +563,9 @@ class Peer(StreamHandler):
 
         return self._in_place(out, make)
 
-    def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM) -> Awaitable[torch.Tensor]:
+    def reduce_scatter(
+        self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM
+    ) -> Coroutine[Any, Any, torch.Tensor]:
         """Reduce ``tensor`` across ranks and return this rank's part,
         ``torch.tensor_split(tensor.flatten(), world_size)[rank]`` in shape.
         ``tensor`` is not modified. Ring reduce-scatter. Synchronization point."""
@@ -520,7 +577,7 @@ class Peer(StreamHandler):
 
     def reduce_scatter_tensor(
         self, out: torch.Tensor, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM
-    ) -> Awaitable[torch.Tensor]:
+    ) -> Coroutine[Any, Any, torch.Tensor]:
         """Reduce ``tensor`` across ranks into ``out``, this rank's equal part;
         ``tensor.numel()`` must be ``world_size * out.numel()``. Returns
         ``out``. ``tensor`` is not modified. Synchronization point."""
@@ -539,7 +596,7 @@ class Peer(StreamHandler):
 
     def _reduce_scatter(
         self, out: torch.Tensor, tensor: torch.Tensor, op: ReduceOp, offset: int, name: str
-    ) -> Awaitable[torch.Tensor]:
+    ) -> Coroutine[Any, Any, torch.Tensor]:
         self._check_open()
         source = _host_contiguous(tensor).reshape(-1)
         staged_out, flat_out = _stage(out)
@@ -562,7 +619,7 @@ class Peer(StreamHandler):
                 ConfigError, f"out has dtype {out.dtype} but tensor has {tensor.dtype}", op=name
             )
 
-    def barrier(self) -> Awaitable[None]:
+    def barrier(self) -> Coroutine[Any, Any, None]:
         """Return once every rank has entered the barrier. Synchronization point."""
         self._check_open()
         token = torch.zeros(self.world_size, dtype=torch.int32)
@@ -590,6 +647,7 @@ class Peer(StreamHandler):
         for task in list(self._background):
             task.cancel()
         await self.transport.close()
+        await _close_rendezvous(self._rendezvous)
 
     async def __aenter__(self) -> Peer:
         return self
@@ -617,6 +675,12 @@ class _Deferred(StreamHandler):
         await peer.handle_abort(message)
 
 
+async def _close_rendezvous(rendezvous: object) -> None:
+    close = getattr(rendezvous, "close", None)
+    if close is not None:
+        await close()
+
+
 async def _run_all(runners: list[LaneRunner]) -> None:
     if len(runners) == 1:
         await runners[0].run()
@@ -626,7 +690,7 @@ async def _run_all(runners: list[LaneRunner]) -> None:
             tg.create_task(runner.run())
 
 
-def _first_ferro(group: BaseExceptionGroup) -> FerroGrpcError | None:  # type: ignore[type-arg]
+def _first_ferro(group: BaseExceptionGroup[BaseException]) -> FerroGrpcError | None:
     for exc in group.exceptions:
         if isinstance(exc, FerroGrpcError):
             return exc

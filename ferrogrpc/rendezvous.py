@@ -126,7 +126,7 @@ class StoreRendezvous:
         )
 
     def _connect(self) -> object:
-        from torch.distributed import TCPStore
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
         is_master = self.rank == 0 and not use_agent_store()
         try:

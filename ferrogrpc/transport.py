@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import grpc
@@ -113,26 +113,25 @@ class _GrpcOutStream:
     async def write(self, message: bytes) -> None:
         try:
             await self._call.write(message)
-        except Exception as exc:  # noqa: BLE001 - translated below
+        except Exception as exc:
             raise await self._failure(exc) from exc
 
     async def close(self) -> None:
         try:
             await self._call.done_writing()
             await self._call
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise await self._failure(exc) from exc
 
     async def _failure(self, exc: BaseException) -> FerroGrpcError:
         # A failed write only says "the stream is gone"; the status says why.
         cause: BaseException = exc
-        if not isinstance(exc, grpc.aio.AioRpcError):
-            try:
-                await asyncio.wait_for(self._call, timeout=1.0)
-            except grpc.aio.AioRpcError as status:
-                cause = status
-            except Exception:  # noqa: BLE001, S110
-                pass
+        try:
+            await asyncio.wait_for(self._call, timeout=1.0)
+        except grpc.aio.AioRpcError as status:
+            cause = status
+        except Exception:
+            pass
         return _peer_error(cause, self._dst, self._address, "sending")
 
     def cancel(self) -> None:
@@ -150,7 +149,7 @@ class _GrpcInStream:
             return None
 
 
-ServerInterceptors = list[grpc.aio.ServerInterceptor]
+ServerInterceptors = list[grpc.aio.ServerInterceptor]  # type: ignore[type-arg]
 
 
 class GrpcTransport(Transport):
@@ -218,7 +217,7 @@ class GrpcTransport(Transport):
         return f"{host}:{port}"
 
     async def _serve_send(
-        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> bytes:
         assert self._handler is not None
         iterator = request_iterator.__aiter__()
@@ -234,7 +233,9 @@ class GrpcTransport(Transport):
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
         return b""
 
-    async def _serve_abort(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def _serve_abort(
+        self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes:
         assert self._handler is not None
         await self._handler.handle_abort(request)
         return b""
@@ -261,7 +262,7 @@ class GrpcTransport(Transport):
         method = channel.stream_unary(
             SEND_METHOD, request_serializer=_identity, response_deserializer=_identity
         )
-        return _GrpcOutStream(method(), dst, self.addresses[dst])
+        return _GrpcOutStream(method(), dst, self.addresses[dst])  # type: ignore[call-arg]
 
     async def send_abort(self, dst: int, message: bytes, timeout: float) -> None:
         method = self._channel(dst, 0).unary_unary(
@@ -276,7 +277,7 @@ class GrpcTransport(Transport):
         channels = list(self._channels.values())
         self._channels.clear()
         for channel in channels:
-            await channel.close()
+            await channel.close(None)
         if self._server is not None:
             server, self._server = self._server, None
             await server.stop(grace=0.5)
@@ -342,7 +343,6 @@ class MemoryTransport(Transport):
         self.handler: StreamHandler | None = None
         self.closed = False
         self.addresses = []
-        self.abort_filter: Callable[[bytes], bool] | None = None
 
     async def start(self, handler: StreamHandler) -> str:
         self.handler = handler

@@ -81,7 +81,7 @@ def decode(message: bytes) -> tuple[pb.ChunkHeader, memoryview]:
             hlen, pos = _read_varint(buf, 1)
             hend = pos + hlen
             if hend <= len(buf):
-                header = pb.ChunkHeader.FromString(buf[pos:hend])
+                header = pb.ChunkHeader.FromString(buf[pos:hend])  # type: ignore[arg-type]
                 if hend + 1 < len(buf) and buf[hend] == _PAD_TAG and buf[hend + 1] < 0x80:
                     hend += 2 + buf[hend + 1]
                 if hend == len(buf):

@@ -1,0 +1,253 @@
+"""Collective benchmark: ferrogrpc against torch.distributed's gloo, same run.
+
+Prints an nccl-tests style table per world size: size, time, algbw, busbw for
+both, the ferrogrpc/gloo busbw ratio, and each rank's peak extra RSS during
+the ferrogrpc collective as a fraction of the tensor size.
+
+    python -m client.bench --world-sizes 2 4 --min-size 1M --max-size 256M --iters 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+MiB = 1 << 20
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """Samples this process's RSS on a thread while a block runs."""
+
+    def __init__(self, interval: float = 0.0005) -> None:
+        self.interval = interval
+        self.base = 0
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> PeakRss:
+        self.base = self.peak = _rss_bytes()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss_bytes())
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join()
+        self.peak = max(self.peak, _rss_bytes())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def _time_op(
+    fn: Callable[[], Any], barrier: Callable[[], None], iters: int, warmup: int
+) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import ferrogrpc as fg
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.gloo_port}",
+        rank=rank,
+        world_size=world,
+    )
+    backend = fg.init_backend(checksum=not args.no_checksum)
+    rows = []
+    for size in args.sizes:
+        numel = size // 4
+        result: dict[str, Any] = {"size": size}
+        for impl in ("gloo", "ferrogrpc"):
+            t = torch.ones(numel, dtype=torch.float32)
+            if impl == "gloo":
+
+                def op(t: torch.Tensor = t) -> None:
+                    dist.all_reduce(t)
+
+            else:
+
+                def op(t: torch.Tensor = t) -> None:
+                    backend.all_reduce(t)
+
+            with PeakRss() as rss:
+                times = _time_op(op, dist.barrier, args.iters, args.warmup)
+            expected = float(world ** (args.iters + args.warmup))
+            ok = bool(t[0].item() == expected and t[-1].item() == expected)
+            result[impl] = {"times": times, "rss_extra": rss.extra, "ok": ok}
+            del t
+        rows.append(result)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, rows)
+    if rank == 0:
+        print("RESULT " + json.dumps(gathered), flush=True)
+    backend.close()
+    dist.destroy_process_group()
+
+
+def run_world(world: int, args: argparse.Namespace) -> list[Any]:
+    master_port = free_port()
+    gloo_port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(master_port),
+            OMP_NUM_THREADS="1",
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "client.bench",
+            "--worker",
+            "--gloo-port",
+            str(gloo_port),
+            "--iters",
+            str(args.iters),
+            "--warmup",
+            str(args.warmup),
+            "--sizes",
+            *[str(s) for s in args.sizes],
+        ]
+        if args.no_checksum:
+            cmd.append("--no-checksum")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
+    for rank, p in enumerate(procs):
+        if p.returncode != 0:
+            raise SystemExit(f"bench rank {rank} exited with {p.returncode}")
+    for line in outputs[0].splitlines():
+        if line.startswith("RESULT "):
+            return list(json.loads(line[len("RESULT ") :]))
+    raise SystemExit("rank 0 printed no result")
+
+
+def fmt_size(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // 1024} KiB"
+
+
+def report(world: int, per_rank: list[list[dict[str, Any]]]) -> str:
+    factor = 2.0 * (world - 1) / world
+    iters = len(per_rank[0][0]["gloo"]["times"])
+    lines = [
+        f"# all_reduce float32, world_size {world}, median of {iters} iterations "
+        "(time = slowest rank)",
+        f"{'size':>9} {'gloo ms':>9} {'gloo busbw':>11} {'fg ms':>9} {'fg algbw':>9} "
+        f"{'fg busbw':>9} {'fg/gloo':>8} {'peak RSS/size':>14} {'ok':>3}",
+    ]
+    for i, row in enumerate(per_rank[0]):
+        size = row["size"]
+        cols = {}
+        for impl in ("gloo", "ferrogrpc"):
+            iters = len(row[impl]["times"])
+            slowest = [max(r[i][impl]["times"][k] for r in per_rank) for k in range(iters)]
+            cols[impl] = statistics.median(slowest)
+        rss = max(r[i]["ferrogrpc"]["rss_extra"] for r in per_rank) / size
+        ok = all(r[i][impl]["ok"] for r in per_rank for impl in ("gloo", "ferrogrpc"))
+        g_bus = size / cols["gloo"] * factor / 1e9
+        f_alg = size / cols["ferrogrpc"] / 1e9
+        f_bus = f_alg * factor
+        lines.append(
+            f"{fmt_size(size):>9} {cols['gloo'] * 1e3:9.2f} {g_bus:8.3f} GB/s "
+            f"{cols['ferrogrpc'] * 1e3:9.2f} {f_alg:9.3f} {f_bus:9.3f} {f_bus / g_bus:8.2f} "
+            f"{rss:14.3f} {'yes' if ok else 'NO':>3}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--min-size", type=parse_size, default=MiB)
+    parser.add_argument("--max-size", type=parse_size, default=256 * MiB)
+    parser.add_argument("--sizes", type=parse_size, nargs="+", help="explicit sizes (bytes)")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--no-checksum", action="store_true", help="turn chunk CRC32C off")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--gloo-port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if not args.sizes:
+        sizes = []
+        s = args.min_size
+        while s <= args.max_size:
+            sizes.append(s)
+            s *= 4
+        args.sizes = sizes
+    if args.worker:
+        worker(args)
+        return 0
+    print(
+        f"ferrogrpc bench: all_reduce, sizes {', '.join(fmt_size(s) for s in args.sizes)}, "
+        f"checksum {'off' if args.no_checksum else 'on'}, {os.cpu_count()} CPUs",
+        flush=True,
+    )
+    failed = False
+    for world in args.world_sizes:
+        per_rank = run_world(world, args)
+        text = report(world, per_rank)
+        print(text, flush=True)
+        failed |= " NO" in text
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

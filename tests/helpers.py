@@ -1,0 +1,97 @@
+"""Shared test helpers: float64 references and launching real rank processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RANKS = Path(__file__).resolve().parent / "ranks"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def reference_sum(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The independent reference: the inputs summed in float64."""
+    return torch.stack([t.to(torch.float64) for t in inputs]).sum(0)
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    if dtype in (torch.float16, torch.bfloat16):
+        return {"atol": 1e-2, "rtol": 1e-2}
+    if dtype == torch.float32:
+        return {"atol": 1e-5, "rtol": 1e-5}
+    return (
+        {"atol": 0.0, "rtol": 0.0}
+        if not dtype.is_floating_point
+        else {"atol": 1e-12, "rtol": 1e-12}
+    )
+
+
+def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+def run_ranks(
+    script: str,
+    world: int,
+    *args: str,
+    timeout: float = 90.0,
+    env: dict[str, str] | None = None,
+) -> list[str]:
+    """Run ``tests/ranks/<script>`` as ``world`` processes with torch's env://
+    variables; fail (killing all) if any exits non-zero or the group overruns
+    ``timeout``. Returns each rank's stdout."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(RANKS / script), *args],
+            env=rank_env(rank, world, port, **(env or {})),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    deadline = time.monotonic() + timeout
+    outputs: list[str] = []
+    try:
+        for rank, proc in enumerate(procs):
+            remaining = max(1.0, deadline - time.monotonic())
+            try:
+                out, _ = proc.communicate(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(
+                    f"rank {rank} of {script} did not finish in {timeout}s"
+                ) from None
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} of {script} exited {proc.returncode}:\n{out}"
+    return outputs
