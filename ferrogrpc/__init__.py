@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from . import testing
 from .backend import Backend, Work, init_backend
+from .ddp import DDP
 from .errors import (
     CollectiveTimeoutError,
     ConfigError,
@@ -28,6 +29,7 @@ __all__ = [
     "ChunkPolicy",
     "CollectiveTimeoutError",
     "ConfigError",
+    "DDP",
     "FerroGrpcError",
     "Peer",
     "PeerError",

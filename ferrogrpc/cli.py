@@ -14,7 +14,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="all_reduce benchmark against gloo (see --help)", add_help=False)
-    sub.add_parser("demo", help="train locally with DDP and FSDP and check equivalence", add_help=False)
+    sub.add_parser(
+        "demo", help="train locally with DDP and FSDP and check equivalence", add_help=False
+    )
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2

@@ -1,0 +1,361 @@
+"""DDP: data-parallel training with bucketed gradient all-reduce that overlaps
+backward."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .backend import Backend, Work
+from .errors import ConfigError
+from .ops import SUPPORTED_DTYPES
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclasses.dataclass
+class _Bucket:
+    index: int
+    names: list[str]
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    buffer: torch.Tensor | None = None
+    pending: int = 0
+    launched: bool = False
+    work: Work[torch.Tensor] | None = None
+
+    def flags(self) -> torch.Tensor:
+        assert self.buffer is not None
+        return self.buffer[self.numel :]
+
+
+def _fingerprint(module: nn.Module) -> list[str]:
+    return [
+        f"{name}: shape={tuple(p.shape)} dtype={str(p.dtype).removeprefix('torch.')} "
+        f"requires_grad={p.requires_grad}"
+        for name, p in module.named_parameters()
+    ]
+
+
+def check_same_model(module: nn.Module, backend: Backend, what: str) -> None:
+    """Raise ConfigError on every rank if the ranks' parameter names, shapes
+    or dtypes differ, naming the first difference and both ranks' versions."""
+    entries = _fingerprint(module)
+    data = torch.tensor(list(json.dumps(entries).encode()), dtype=torch.int32)
+    sizes = backend.all_gather(torch.tensor([data.numel()], dtype=torch.int64))
+    longest = int(max(int(s.item()) for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.int32)
+    padded[: data.numel()] = data
+    gathered = backend.all_gather(padded)
+    tables: list[list[str]] = [
+        json.loads(bytes(g[: int(s.item())].tolist()).decode())
+        for g, s in zip(gathered, sizes, strict=True)
+    ]
+    reference = tables[0]
+    for other_rank, table in enumerate(tables[1:], start=1):
+        if table == reference:
+            continue
+        for i in range(max(len(reference), len(table))):
+            a = reference[i] if i < len(reference) else "<no parameter>"
+            b = table[i] if i < len(table) else "<no parameter>"
+            if a != b:
+                raise ConfigError(
+                    f"{what}: the ranks wrap different models; parameter #{i} differs: "
+                    f"rank 0 has {a!r}, rank {other_rank} has {b!r}",
+                    rank=backend.rank,
+                    world_size=backend.world_size,
+                    peer=other_rank,
+                )
+
+
+class DDP(nn.Module):
+    """Distributed data parallel: every rank holds the whole model, trains on
+    its slice of the batch, and ``sync_gradients()`` leaves every rank's
+    ``.grad`` equal to the mean over ranks.
+
+    Gradients are all-reduced in *buckets*: flat buffers of one dtype and
+    device, filled with parameters in reverse registration order (backward
+    produces gradients roughly in that order), each up to
+    ``bucket_size_bytes``; a larger parameter gets a bucket of its own.
+
+    With ``overlap=True``, a hook on each parameter's gradient accumulation
+    copies the gradient into its bucket, and a bucket's mean all-reduce starts
+    on the backend as soon as its last gradient is in, while backward goes on.
+    Buckets start strictly in bucket order, so every rank issues the same
+    collectives in the same order. ``sync_gradients()`` then starts what is
+    left, waits, and writes the averaged gradients back. With
+    ``overlap=False``, ``sync_gradients()`` all-reduces the buckets one after
+    another after backward.
+
+    Synchronization: construction (a model fingerprint check, ConfigError on
+    every rank if the models differ), every ``sync_gradients()`` /
+    ``overlapped_sync_gradients()`` and ``broadcast_parameters()`` are
+    collectives: all ranks must call them in the same order.
+
+    Unused parameters: a parameter without a gradient on some rank counts as
+    zeros there, so the result is the sum over ranks divided by world_size,
+    and every rank gets the same ``.grad``. A parameter that no rank used in
+    the step keeps the ``.grad`` it had (``None`` after ``zero_grad()``), on
+    every rank, so optimizers skip it exactly as in single-process training.
+
+    Failure: if an all-reduce fails, ``sync_gradients()`` raises the
+    backend's error and every ``.grad`` is left exactly as it was before the
+    call (results are written back only after every bucket succeeded); the
+    backend is then broken (see :class:`Backend`).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        backend: Backend,
+        bucket_size_bytes: int = DEFAULT_BUCKET_BYTES,
+        overlap: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DDP wraps an nn.Module, got {type(module).__name__}")
+        if not isinstance(bucket_size_bytes, int) or bucket_size_bytes < 1:
+            raise ConfigError(
+                f"bucket_size_bytes must be a positive int, got {bucket_size_bytes!r}"
+            )
+        self.module = module
+        self._backend = backend
+        self.bucket_size_bytes = bucket_size_bytes
+        self.overlap = overlap
+        self._lock = threading.Lock()
+        self._sync_enabled = True
+        self._hooks: list[Any] = []
+        check_same_model(module, backend, "DDP")
+        self._buckets = self._build_buckets()
+        self._slot: dict[int, tuple[_Bucket, int]] = {}
+        for bucket in self._buckets:
+            for i, p in enumerate(bucket.params):
+                self._slot[id(p)] = (bucket, i)
+        self._ready: set[int] = set()
+        self._next_launch = 0
+        if overlap:
+            for bucket in self._buckets:
+                for p in bucket.params:
+                    self._hooks.append(
+                        p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+                    )
+
+    @classmethod
+    def with_bucket_size(
+        cls, module: nn.Module, backend: Backend, bucket_size_bytes: int, overlap: bool = True
+    ) -> DDP:
+        """Wrap ``module`` with a custom bucket size in bytes."""
+        return cls(module, backend, bucket_size_bytes=bucket_size_bytes, overlap=overlap)
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    # -------------------------------------------------------------- buckets
+
+    def _build_buckets(self) -> list[_Bucket]:
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        for name, p in named:
+            if p.dtype not in SUPPORTED_DTYPES:
+                raise ConfigError(f"DDP: parameter {name} has unsupported dtype {p.dtype}")
+        buckets: list[_Bucket] = []
+        open_buckets: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
+        for name, p in reversed(named):
+            key = (p.dtype, p.device)
+            nbytes = p.numel() * p.element_size()
+            bucket = open_buckets.get(key)
+            if bucket is not None and (
+                bucket.numel * p.element_size() + nbytes > self.bucket_size_bytes
+            ):
+                bucket = None
+            if bucket is None:
+                bucket = _Bucket(len(buckets), [], [], [], 0, p.dtype, p.device)
+                buckets.append(bucket)
+                open_buckets[key] = bucket
+            bucket.names.append(name)
+            bucket.params.append(p)
+            bucket.offsets.append(bucket.numel)
+            bucket.numel += p.numel()
+            if nbytes >= self.bucket_size_bytes:
+                del open_buckets[key]
+        for bucket in buckets:
+            bucket.pending = len(bucket.params)
+        return buckets
+
+    def bucket_layout(self) -> list[list[str]]:
+        """The parameter names of each bucket, in all-reduce order."""
+        return [list(b.names) for b in self._buckets]
+
+    def _buffer(self, bucket: _Bucket) -> torch.Tensor:
+        if bucket.buffer is None:
+            # Gradients, then one "had a gradient here" flag per parameter:
+            # the flags ride along in the same all-reduce.
+            bucket.buffer = torch.zeros(
+                bucket.numel + len(bucket.params), dtype=bucket.dtype, device=bucket.device
+            )
+        return bucket.buffer
+
+    def _fill(self, bucket: _Bucket, i: int, p: nn.Parameter) -> None:
+        buf = self._buffer(bucket)
+        lo = bucket.offsets[i]
+        view = buf[lo : lo + p.numel()]
+        if p.grad is None:
+            view.zero_()
+            buf[bucket.numel + i] = 0
+        else:
+            view.copy_(p.grad.detach().reshape(-1))
+            buf[bucket.numel + i] = 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.launched = True
+        bucket.work = self._backend.all_reduce(self._buffer(bucket), "mean", async_op=True)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._sync_enabled:
+            return
+        with self._lock:
+            bucket, i = self._slot[id(p)]
+            if bucket.launched:
+                raise RuntimeError(
+                    f"DDP: parameter {bucket.names[i]} received a gradient after its bucket was "
+                    "already sent in this step; call sync_gradients() after each backward, or "
+                    "accumulate under no_sync()"
+                )
+            self._fill(bucket, i, p)  # type: ignore[arg-type]
+            if id(p) in self._ready:
+                return  # a second backward before sync: the copy above refreshed it
+            self._ready.add(id(p))
+            bucket.pending -= 1
+            # Launch in bucket order only, so all ranks issue the same sequence.
+            while self._next_launch < len(self._buckets):
+                nxt = self._buckets[self._next_launch]
+                if nxt.pending > 0:
+                    break
+                self._launch(nxt)
+                self._next_launch += 1
+
+    # ---------------------------------------------------------------- sync
+
+    def _finish(self, *, concurrent: bool) -> None:
+        with self._lock:
+            for bucket in self._buckets:
+                if not bucket.launched:
+                    for i, p in enumerate(bucket.params):
+                        if id(p) not in self._ready:
+                            self._fill(bucket, i, p)
+                    self._launch(bucket)
+                    if not concurrent:
+                        assert bucket.work is not None
+                        bucket.work.wait()
+            works = [b.work for b in self._buckets]
+        try:
+            for work in works:
+                assert work is not None
+                work.wait()
+        finally:
+            self._reset()
+        # Every bucket succeeded: only now touch .grad.
+        with torch.no_grad():
+            for bucket in self._buckets:
+                buf = self._buffer(bucket)
+                flags = bucket.flags().tolist()
+                for i, p in enumerate(bucket.params):
+                    if flags[i] <= 0:
+                        continue  # no rank had a gradient: leave .grad alone
+                    lo = bucket.offsets[i]
+                    value = buf[lo : lo + p.numel()].view(p.shape)
+                    if p.grad is None:
+                        p.grad = value.clone()
+                    else:
+                        p.grad.copy_(value)
+
+    def _reset(self) -> None:
+        self._ready.clear()
+        self._next_launch = 0
+        for bucket in self._buckets:
+            bucket.pending = len(bucket.params)
+            bucket.launched = False
+            bucket.work = None
+
+    def sync_gradients(self) -> None:
+        """Average gradients over ranks; call after backward, before the
+        optimizer step. A collective: every rank must call it.
+
+        With overlap on, this waits for the buckets already started during
+        backward and starts the rest; with overlap off, it all-reduces the
+        buckets one after another. On failure it raises and leaves every
+        ``.grad`` as it was.
+        """
+        self._finish(concurrent=self.overlap)
+
+    def overlapped_sync_gradients(self) -> None:
+        """Like :meth:`sync_gradients`, but starts every remaining bucket at
+        once and then waits for all of them."""
+        self._finish(concurrent=True)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes inside the block
+        start no communication. Call ``sync_gradients()`` after the first
+        backward outside it, which averages the accumulated gradients."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    # ------------------------------------------------------------ parameters
+
+    def broadcast_parameters(self, root: int = 0) -> None:
+        """Copy ``root``'s parameters and buffers into every rank, in place
+        (the Parameter objects stay the same, so an optimizer built earlier
+        stays valid). A collective: every rank must call it."""
+        tensors = [p for p in self.module.parameters()] + [b for b in self.module.buffers()]
+        groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault(t.dtype, []).append(t)
+        for dtype in sorted(groups, key=str):
+            group = groups[dtype]
+            wire = dtype if dtype in SUPPORTED_DTYPES else torch.int64
+            flat = torch.cat([t.detach().reshape(-1).to(wire) for t in group])
+            self._backend.broadcast(flat, root)
+            offset = 0
+            with torch.no_grad():
+                for t in group:
+                    n = t.numel()
+                    t.copy_(flat[offset : offset + n].view(t.shape).to(dtype))
+                    offset += n
+
+    # ---------------------------------------------------------- module API
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def into_inner(self) -> nn.Module:
+        """Remove every hook and return the wrapped module."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        return self.module
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The inner module's state dict, with its keys (no ``module.``)."""
+        result: dict[str, Any] = self.module.state_dict(*args, **kwargs)
+        return result
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load a state dict with the inner module's keys."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

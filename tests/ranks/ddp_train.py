@@ -1,0 +1,231 @@
+"""A rank program for DDP: N-rank training on slices of a batch must equal
+single-process training on the whole batch. Prints OK on success."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+import ferrogrpc as fg
+
+BATCH = 12  # divisible by 2 and 3
+STEPS = 5
+TOL = 1e-5
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int = 32, with_unused: bool = False) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(7, hidden)
+        self.l2 = nn.Linear(hidden, hidden)
+        self.l3 = nn.Linear(hidden, 5)
+        self.norm = nn.LayerNorm(hidden)
+        self.unused = nn.Linear(3, 3) if with_unused else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l3(torch.tanh(self.norm(self.l2(torch.relu(self.l1(x))))))
+
+
+def make_model(seed: int = 0, **kw: object) -> MLP:
+    torch.manual_seed(seed)
+    return MLP(**kw).double()  # type: ignore[arg-type]
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(BATCH, 7, generator=g, dtype=torch.float64), torch.randn(
+        BATCH, 5, generator=g, dtype=torch.float64
+    )
+
+
+def make_opt(name: str, params: object) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)  # type: ignore[arg-type]
+    return torch.optim.Adam(params, lr=0.01)  # type: ignore[arg-type]
+
+
+def reference(opt_name: str, steps: int = STEPS, **kw: object) -> MLP:
+    model = make_model(**kw)
+    opt = make_opt(opt_name, model.parameters())
+    for step in range(steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return model
+
+
+def my_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    per = BATCH // world
+    return t[rank * per : (rank + 1) * per]
+
+
+def max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max(
+        float((p.detach() - q.detach()).abs().max())
+        for p, q in zip(a.parameters(), b.parameters(), strict=True)
+    )
+
+
+def train_ddp(
+    backend: fg.Backend, opt_name: str, bucket: int, overlap: bool, overlapped_sync: bool = False
+) -> fg.DDP:
+    model = make_model()
+    ddp = fg.DDP(model, backend, bucket_size_bytes=bucket, overlap=overlap)
+    opt = make_opt(opt_name, ddp.parameters())
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        out = ddp(my_slice(x, backend.rank, backend.world_size))
+        nn.functional.mse_loss(out, my_slice(y, backend.rank, backend.world_size)).backward()
+        if overlapped_sync:
+            ddp.overlapped_sync_gradients()
+        else:
+            ddp.sync_gradients()
+        opt.step()
+    return ddp
+
+
+def check_identical_across_ranks(backend: fg.Backend, module: nn.Module) -> None:
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    for other in backend.all_gather(flat):
+        assert torch.equal(other, flat), "ranks disagree on parameters"
+
+
+def main() -> None:
+    backend = fg.init_backend()
+    rank, world = backend.rank, backend.world_size
+    refs = {name: reference(name) for name in ("sgd", "adam")}
+
+    # 1. Equivalence over optimizers, bucket sizes and overlap.
+    for opt_name in ("sgd", "adam"):
+        for bucket in (1024, fg.DDP.__init__.__defaults__[0], 1 << 30):  # type: ignore[index]
+            for overlap in (True, False):
+                ddp = train_ddp(backend, opt_name, bucket, overlap)
+                diff = max_diff(ddp.module, refs[opt_name])
+                assert diff <= TOL, (opt_name, bucket, overlap, diff)
+                check_identical_across_ranks(backend, ddp.module)
+                ddp.into_inner()
+    ddp = train_ddp(backend, "adam", 1024, True, overlapped_sync=True)
+    assert max_diff(ddp.module, refs["adam"]) <= TOL
+    layout = ddp.bucket_layout()
+    assert len(layout) > 1 and layout[0][0] == "norm.bias", layout
+    assert fg.DDP(make_model(), backend).bucket_layout() == [
+        [n for n, _ in reversed(list(make_model().named_parameters()))]
+    ]
+    print(f"rank {rank}: equivalence ok, {len(layout)} buckets at 1 KiB", flush=True)
+
+    # 2. no_sync: k micro-batches equal one step on their union.
+    k = 3
+    model = make_model()
+    ddp = fg.DDP(model, backend, bucket_size_bytes=2048)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    xs, ys = zip(*(batch(50 + i) for i in range(k)), strict=True)
+    opt.zero_grad()
+    for i in range(k):
+        ctx = ddp.no_sync() if i < k - 1 else torch.enable_grad()
+        with ctx:
+            out = ddp(my_slice(xs[i], rank, world))
+            (nn.functional.mse_loss(out, my_slice(ys[i], rank, world)) / k).backward()
+    ddp.sync_gradients()
+    opt.step()
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_opt.zero_grad()
+    nn.functional.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
+    ref_opt.step()
+    assert max_diff(ddp.module, ref) <= TOL, max_diff(ddp.module, ref)
+    print(f"rank {rank}: no_sync ok", flush=True)
+
+    # 3. Unused parameters: a globally unused one keeps .grad None (Adam then
+    # matches single-process training exactly); one used on rank 0 only gets
+    # the same mean on every rank.
+    ddp = train_ddp_unused = fg.DDP(make_model(with_unused=True), backend, bucket_size_bytes=1024)
+    opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(my_slice(x, rank, world)), my_slice(y, rank, world)).backward()
+        ddp.sync_gradients()
+        unused = train_ddp_unused.module.unused
+        assert unused is not None and unused.weight.grad is None
+        opt.step()
+    assert max_diff(ddp.module, reference("adam", with_unused=True)) <= TOL
+    sometimes = make_model(with_unused=True)
+    ddp = fg.DDP(sometimes, backend)
+    x, y = batch(0)
+    loss = nn.functional.mse_loss(ddp(my_slice(x, rank, world)), my_slice(y, rank, world))
+    assert sometimes.unused is not None
+    if rank == 0:
+        loss = loss + sometimes.unused(torch.ones(1, 3, dtype=torch.float64)).sum()
+    loss.backward()
+    ddp.sync_gradients()
+    g = sometimes.unused.weight.grad
+    assert g is not None
+    assert torch.allclose(g, torch.ones(3, 3, dtype=torch.float64) / world), g
+    check_identical_across_ranks(backend, sometimes)
+    print(f"rank {rank}: unused parameters ok", flush=True)
+
+    # 4. broadcast_parameters: different inits become identical, in place,
+    # and the optimizer built before still trains the model.
+    model = make_model(seed=rank + 10)
+    ddp = fg.DDP(model, backend)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    before = [id(p) for p in model.parameters()]
+    ddp.broadcast_parameters(root=0)
+    assert [id(p) for p in model.parameters()] == before
+    check_identical_across_ranks(backend, model)
+    ref = make_model(seed=10)
+    assert max_diff(model, ref) == 0.0
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ddp(my_slice(x, rank, world)), my_slice(y, rank, world)).backward()
+        ddp.sync_gradients()
+        opt.step()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    assert max_diff(model, ref) <= TOL
+    print(f"rank {rank}: broadcast_parameters ok", flush=True)
+
+    # 5. Module behaviour.
+    inner = make_model()
+    ddp = fg.DDP(inner, backend)
+    assert ddp.module is inner and ddp.backend is backend
+    assert list(ddp.state_dict()) == list(inner.state_dict())
+    ddp.load_state_dict(make_model(seed=3).state_dict())
+    assert max_diff(inner, make_model(seed=3)) == 0.0
+    ddp.eval()
+    assert not inner.training
+    ddp.train()
+    assert inner.training
+    assert [id(p) for p in ddp.parameters()] == [id(p) for p in inner.parameters()]
+    assert ddp.into_inner() is inner
+    assert all(not getattr(p, "_post_accumulate_grad_hooks", None) for p in inner.parameters())
+
+    # 6. Different models on different ranks: ConfigError on every rank.
+    hidden = 32 if rank == 0 else 33
+    try:
+        fg.DDP(MLP(hidden=hidden).double(), backend)
+    except fg.ConfigError as exc:
+        text = str(exc)
+        assert "l1.weight" in text and "(32, 7)" in text and "(33, 7)" in text, text
+        assert "rank 0" in text and "rank 1" in text, text
+        print(f"rank {rank}: fingerprint mismatch: {text}", flush=True)
+    else:
+        raise AssertionError("fingerprint mismatch was not detected")
+    backend.close()
+    print(f"OK rank {rank}/{world}", flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException as exc:
+        print(f"FAILED: {exc!r}", flush=True)
+        raise
+    sys.exit(0)
