@@ -17,6 +17,7 @@ from .errors import (
     ProtocolError,
     RendezvousError,
 )
+from .fsdp import FSDP
 from .ops import SUPPORTED_DTYPES, ReduceOp
 from .options import ChunkPolicy, Timeouts
 from .peer import Peer
@@ -30,6 +31,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "ConfigError",
     "DDP",
+    "FSDP",
     "FerroGrpcError",
     "Peer",
     "PeerError",

@@ -1,0 +1,130 @@
+"""A rank program for FSDP: N-rank sharded training on slices of a batch must
+equal single-process training on the whole batch. Prints OK on success."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+import ferrogrpc as fg
+from ferrogrpc.fsdp import resident_parameter_bytes
+
+BATCH = 12
+STEPS = 5
+TOL = 1e-5
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(7, 5)  # 35 + 5 elements: not divisible by 2 or 3
+        self.b = nn.Linear(5, 11)
+        self.c = nn.Linear(11, 3)
+        self.scale = nn.Parameter(torch.ones(1))  # 1 element: smaller than world
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.relu(self.a(x))))) * self.scale
+
+
+def make_model() -> Net:
+    torch.manual_seed(0)
+    return Net().double()
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + step)
+    return torch.randn(BATCH, 7, generator=g, dtype=torch.float64), torch.randn(
+        BATCH, 3, generator=g, dtype=torch.float64
+    )
+
+
+def make_opt(name: str, params: object) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)  # type: ignore[arg-type]
+    return torch.optim.Adam(params, lr=0.01)  # type: ignore[arg-type]
+
+
+def reference(opt_name: str) -> Net:
+    model = make_model()
+    opt = make_opt(opt_name, model.parameters())
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return model
+
+
+def main() -> None:
+    backend = fg.init_backend()
+    rank, world = backend.rank, backend.world_size
+    per = BATCH // world
+    full_bytes = sum(p.numel() * p.element_size() for p in make_model().parameters())
+    for opt_name in ("sgd", "adam"):
+        model = make_model()
+        fsdp = fg.FSDP(model, backend)
+        # Resident parameter memory: 1/world of the model plus padding.
+        padding = sum(
+            (-(-p.numel() // world) * world - p.numel()) * p.element_size()
+            for p in make_model().parameters()
+        )
+        resident = resident_parameter_bytes(model, list(fsdp.parameters()))
+        assert resident <= full_bytes / world + padding, (resident, full_bytes, padding)
+        opt = make_opt(opt_name, fsdp.parameters())
+        for step in range(STEPS):
+            x, y = batch(step)
+            opt.zero_grad()
+            out = fsdp(x[rank * per : (rank + 1) * per])
+            nn.functional.mse_loss(out, y[rank * per : (rank + 1) * per]).backward()
+            fsdp.sync_gradients()
+            opt.step()
+            between = resident_parameter_bytes(model, list(fsdp.parameters()))
+            assert between <= full_bytes / world + padding, (between, full_bytes)
+            assert all(p.grad is None for p in model.parameters())
+        ref = reference(opt_name)
+        full = fsdp.full_state_dict()
+        assert list(full) == list(ref.state_dict()), (list(full), list(ref.state_dict()))
+        for key, value in ref.state_dict().items():
+            diff = float((full[key] - value).abs().max())
+            assert diff <= TOL, (opt_name, key, diff)
+        print(
+            f"rank {rank}: {opt_name} equivalence ok, resident {resident} of {full_bytes} bytes",
+            flush=True,
+        )
+
+    # update_shards round-trips, and rejects a wrong length.
+    flat = fsdp.flat_shards()
+    assert flat.numel() == sum(fsdp.shard_numels())
+    fsdp.update_shards(flat * 2)
+    assert torch.equal(fsdp.flat_shards(), flat * 2)
+    fsdp.update_shards(flat)
+    try:
+        fsdp.update_shards(torch.zeros(flat.numel() + 1, dtype=flat.dtype))
+    except ValueError as exc:
+        assert str(flat.numel()) in str(exc) and str(flat.numel() + 1) in str(exc), exc
+    else:
+        raise AssertionError("wrong length accepted")
+    # load_full_state_dict then full_state_dict round-trips.
+    other = make_model().state_dict()
+    fsdp.load_full_state_dict(other)
+    again = fsdp.full_state_dict()
+    for key, value in other.items():
+        assert torch.equal(again[key], value), key
+    inner = fsdp.into_inner()
+    assert inner is model
+    for key, value in other.items():
+        assert torch.equal(inner.state_dict()[key], value), key
+    assert fsdp.module is model and fsdp.backend is backend
+    backend.close()
+    print(f"OK rank {rank}/{world}", flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException as exc:
+        print(f"FAILED: {exc!r}", flush=True)
+        raise
+    sys.exit(0)
