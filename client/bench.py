@@ -22,6 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 MiB = 1 << 20
+NO_CRC = "ferrogrpc-nocrc"
+IMPLS = ("gloo", "ferrogrpc", NO_CRC)
 
 
 def parse_size(text: str) -> int:
@@ -106,11 +108,12 @@ def worker(args: argparse.Namespace) -> None:
         world_size=world,
     )
     backend = fg.init_backend(checksum=not args.no_checksum)
+    crc = backend.peer.checksum
     rows = []
     for size in args.sizes:
         numel = size // 4
         result: dict[str, Any] = {"size": size}
-        for impl in ("gloo", "ferrogrpc"):
+        for impl in IMPLS:
             t = torch.ones(numel, dtype=torch.float32)
             if impl == "gloo":
 
@@ -118,6 +121,9 @@ def worker(args: argparse.Namespace) -> None:
                     dist.all_reduce(t)
 
             else:
+                # Every rank switches between the same two collectives.
+                backend.barrier()
+                backend.peer.checksum = None if impl == NO_CRC else crc
 
                 def op(t: torch.Tensor = t) -> None:
                     backend.all_reduce(t)
@@ -186,26 +192,26 @@ def report(world: int, per_rank: list[list[dict[str, Any]]]) -> str:
     iters = len(per_rank[0][0]["gloo"]["times"])
     lines = [
         f"# all_reduce float32, world_size {world}, median of {iters} iterations "
-        "(time = slowest rank)",
-        f"{'size':>9} {'gloo ms':>9} {'gloo busbw':>11} {'fg ms':>9} {'fg algbw':>9} "
-        f"{'fg busbw':>9} {'fg/gloo':>8} {'peak RSS/size':>14} {'ok':>3}",
+        "(time = slowest rank); ferrogrpc with CRC32C on (default) and off",
+        f"{'size':>8} {'gloo ms':>8} {'gloo busbw':>10} {'fg ms':>8} {'fg algbw':>8} "
+        f"{'fg busbw':>8} {'fg/gloo':>7} {'nocrc busbw':>11} {'nocrc/gloo':>10} "
+        f"{'peak RSS/size':>13} {'ok':>3}",
     ]
     for i, row in enumerate(per_rank[0]):
         size = row["size"]
-        cols = {}
-        for impl in ("gloo", "ferrogrpc"):
-            iters = len(row[impl]["times"])
+        med = {}
+        for impl in IMPLS:
             slowest = [max(r[i][impl]["times"][k] for r in per_rank) for k in range(iters)]
-            cols[impl] = statistics.median(slowest)
+            med[impl] = statistics.median(slowest)
         rss = max(r[i]["ferrogrpc"]["rss_extra"] for r in per_rank) / size
-        ok = all(r[i][impl]["ok"] for r in per_rank for impl in ("gloo", "ferrogrpc"))
-        g_bus = size / cols["gloo"] * factor / 1e9
-        f_alg = size / cols["ferrogrpc"] / 1e9
-        f_bus = f_alg * factor
+        ok = all(r[i][impl]["ok"] for r in per_rank for impl in IMPLS)
+        bus = {impl: size / med[impl] * factor / 1e9 for impl in IMPLS}
         lines.append(
-            f"{fmt_size(size):>9} {cols['gloo'] * 1e3:9.2f} {g_bus:8.3f} GB/s "
-            f"{cols['ferrogrpc'] * 1e3:9.2f} {f_alg:9.3f} {f_bus:9.3f} {f_bus / g_bus:8.2f} "
-            f"{rss:14.3f} {'yes' if ok else 'NO':>3}"
+            f"{fmt_size(size):>8} {med['gloo'] * 1e3:8.2f} {bus['gloo']:5.3f} GB/s "
+            f"{med['ferrogrpc'] * 1e3:8.2f} {size / med['ferrogrpc'] / 1e9:8.3f} "
+            f"{bus['ferrogrpc']:8.3f} {bus['ferrogrpc'] / bus['gloo']:7.2f} "
+            f"{bus[NO_CRC]:6.3f} GB/s {bus[NO_CRC] / bus['gloo']:10.2f} "
+            f"{rss:13.3f} {'yes' if ok else 'NO':>3}"
         )
     return "\n".join(lines)
 

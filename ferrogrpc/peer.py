@@ -146,8 +146,10 @@ class Peer(StreamHandler):
         RendezvousError if the group is not complete within the connect
         timeout.
         """
+        from ._malloc import tune_allocator
         from .rendezvous import StoreRendezvous
 
+        tune_allocator()
         timeouts = timeouts or Timeouts()
         if transport is None:
             transport = GrpcTransport(f"{bind_host}:{port}", advertise_host)
