@@ -3,7 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
+import time
+
+
+def _status(target: str) -> int:
+    from .coordinator import fetch_status
+    from .errors import RendezvousError
+
+    try:
+        status = asyncio.run(fetch_status(target))
+    except RendezvousError as exc:
+        print(f"ferrogrpc status: {exc}", file=sys.stderr)
+        return 1
+    print(f"coordinator {target}: run {status.run_id}, {status.joined}/{status.world_size} joined")
+    print(f"{'rank':>4}  {'address':<24} {'last heartbeat':>15}  collective")
+    now = time.time()
+    for m in status.members:
+        age = f"{now - m.last_heartbeat:.1f}s ago" if m.last_heartbeat else "never"
+        current = f"{m.collective}#{m.seq}" if m.collective else f"idle (last #{m.seq})"
+        print(f"{m.rank:>4}  {m.address:<24} {age:>15}  {current}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,24 +34,37 @@ def main(argv: list[str] | None = None) -> int:
         description="DDP and FSDP training over asyncio gRPC ring collectives.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("bench", help="all_reduce benchmark against gloo (see --help)", add_help=False)
-    sub.add_parser(
-        "demo", help="train locally with DDP and FSDP and check equivalence", add_help=False
-    )
-    if not argv or argv[0] in ("-h", "--help"):
-        parser.print_help()
-        return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "bench":
-        from client.bench import main as bench_main
+    sub.add_parser("demo", help="train locally with DDP and FSDP, check equivalence, plot")
+    sub.add_parser("bench", help="all_reduce benchmark against gloo (ferrogrpc bench --help)")
+    sub.add_parser("coordinator", help="run the rendezvous coordinator")
+    launch_p = sub.add_parser("launch", help="run N local ranks of a script, torchrun-style")
+    launch_p.add_argument("--nproc", type=int, default=2)
+    launch_p.add_argument("--master-port", type=int, default=None)
+    launch_p.add_argument("-m", dest="module", action="store_true", help="run script as a module")
+    launch_p.add_argument("script")
+    launch_p.add_argument("args", nargs=argparse.REMAINDER)
+    status_p = sub.add_parser("status", help="print a coordinator's member table")
+    status_p.add_argument("target", metavar="HOST:PORT")
+    if argv and argv[0] in ("demo", "bench", "coordinator"):
+        command, rest = argv[0], argv[1:]
+        if command == "demo":
+            from client.demo import main as demo_main
 
-        return bench_main(rest)
-    if command == "demo":
-        from client.demo import main as demo_main
+            return demo_main(rest)
+        if command == "bench":
+            from client.bench import main as bench_main
 
-        return demo_main(rest)
-    parser.parse_args(argv)
-    return 2
+            return bench_main(rest)
+        from server.__main__ import main as coordinator_main
+
+        return coordinator_main(rest)
+    ns = parser.parse_args(argv)
+    if ns.command == "status":
+        return _status(ns.target)
+    from .launch import launch
+
+    command = [sys.executable, *(["-m"] if ns.module else []), ns.script, *ns.args]
+    return launch(ns.nproc, command, master_port=ns.master_port)
 
 
 if __name__ == "__main__":

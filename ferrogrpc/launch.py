@@ -1,0 +1,93 @@
+"""``ferrogrpc launch``: run N local ranks of a script with torchrun's
+variables; forward signals; if one rank fails, stop the rest and name it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from types import FrameType
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch(
+    nproc: int,
+    command: Sequence[str],
+    *,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    grace_s: float = 5.0,
+    env: dict[str, str] | None = None,
+) -> int:
+    """Start ``nproc`` copies of ``command`` with RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set. Returns 0 when all
+    succeed. When a rank exits non-zero, the others get SIGTERM (SIGKILL
+    after ``grace_s``) and the failed rank is named on stderr; its exit code
+    is returned. SIGINT and SIGTERM are forwarded to every rank."""
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    port = master_port or free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    base = dict(os.environ if env is None else env)
+    for rank in range(nproc):
+        rank_env = dict(
+            base,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(port),
+        )
+        procs.append(subprocess.Popen(list(command), env=rank_env))
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                reason = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                print(
+                    f"ferrogrpc launch: rank {rank} (pid {procs[rank].pid}) failed with {reason}; "
+                    f"stopping the other {nproc - 1} rank(s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                _stop(procs, grace_s)
+                return code if code and code > 0 else 1
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.05)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _stop(procs, grace_s)
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
