@@ -41,7 +41,14 @@ def worker(args: argparse.Namespace) -> int:
             start = time.monotonic()
             sent0 = stats.bytes_sent
 
-            def progress(step: int, loss: float, wrapper: Any, mode: str = mode) -> None:
+            def progress(
+                step: int,
+                loss: float,
+                wrapper: Any,
+                mode: str = mode,
+                start: float = start,
+                sent0: int = sent0,
+            ) -> None:
                 if rank == 0:
                     record = {
                         "mode": mode,
@@ -93,7 +100,8 @@ class Progress:
         filled = int(width * step / self.total)
         bar = "#" * filled + "." * (width - filled)
         line = (
-            f"{record['mode'].upper():>4} [{bar}] {step:>4}/{self.total}  loss {record['loss']:.5f}  "
+            f"{record['mode'].upper():>4} [{bar}] {step:>4}/{self.total}  "
+            f"loss {record['loss']:.5f}  "
             f"{rate:6.1f} steps/s  comm {mbps:7.2f} MB/s per rank"
         )
         now = time.monotonic()
@@ -121,7 +129,7 @@ def single_process_reference(args: argparse.Namespace) -> tuple[dict[str, Any], 
         x, y = global_batch(step, args.batch)
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         losses.append(float(loss.item()))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
@@ -168,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
         port = free_port()
         print(
             f"ferrogrpc demo: {args.nproc} ranks on this machine, MLP hidden={args.hidden}, "
-            f"global batch {args.batch}, {args.steps} steps each of DDP then FSDP (Adam, lr {args.lr})",
+            f"global batch {args.batch}, {args.steps} steps each of DDP then FSDP "
+            f"(Adam, lr {args.lr})",
             flush=True,
         )
         procs = []
@@ -219,9 +228,8 @@ def run(args: argparse.Namespace) -> int:
             t.join(timeout=5)
         bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
         if failure or bad:
-            print(
-                f"ferrogrpc demo: FAILED: {failure[0] if failure else f'rank {bad[0][0]} exited {bad[0][1]}'}"
-            )
+            reason = failure[0] if failure else f"rank {bad[0][0]} exited {bad[0][1]}"
+            print(f"ferrogrpc demo: FAILED: {reason}")
             return 1
 
         ref_state, ref_losses = single_process_reference(args)
@@ -273,7 +281,8 @@ def run(args: argparse.Namespace) -> int:
                 f"{'yes' if identical else 'NO':>15} {diff:21.2e} {'yes' if ok else 'NO':>10}"
             )
         print(
-            f"(busbw: bytes each rank sent per second of training; equivalence tolerance {TOLERANCE:g})"
+            "(busbw: bytes each rank sent per second of training; "
+            f"equivalence tolerance {TOLERANCE:g})"
         )
         plot(out_png, curves)
         print(f"loss curves written to {out_png}")

@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -24,6 +25,13 @@ import ferrogrpc as fg
 
 IN_FEATURES = 16
 OUT_FEATURES = 4
+
+
+def emit(record: Mapping[str, object]) -> None:
+    """One JSON line, in a single write so that ranks sharing a stdout do not
+    interleave within a line."""
+    sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
 
 
 def build_model(hidden: int = 64, seed: int = 0) -> nn.Module:
@@ -107,7 +115,7 @@ def train(
         loss = nn.functional.mse_loss(
             wrapper(rank_slice(x, rank, world)), rank_slice(y, rank, world)
         )
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         sync()
         opt.step()
         mean_loss = loss.detach().reshape(1).clone()
@@ -132,12 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     with fg.init_backend() as backend:
         rank, world = backend.rank, backend.world_size
-        print(
-            json.dumps(
-                {"event": "joined", "rank": rank, "world_size": world, "address": backend.address}
-            ),
-            flush=True,
-        )
+        emit({"event": "joined", "rank": rank, "world_size": world, "address": backend.address})
 
         def log(step: int, loss: float, wrapper: nn.Module) -> None:
             record = {
@@ -146,18 +149,13 @@ def main(argv: list[str] | None = None) -> int:
                 "loss": round(loss, 10),
                 "checksum": checksum(wrapper, backend),
             }
-            print(json.dumps(record), flush=True)
+            emit(record)
 
         train(
             backend, args.mode, args.steps, args.batch, args.lr, args.hidden, args.seed, on_step=log
         )
         backend.barrier()
-        print(
-            json.dumps(
-                {"event": "done", "rank": rank, "seconds": round(time.monotonic() - start, 3)}
-            ),
-            flush=True,
-        )
+        emit({"event": "done", "rank": rank, "seconds": round(time.monotonic() - start, 3)})
     return 0
 
 

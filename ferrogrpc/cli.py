@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         return _status(ns.target)
     from .launch import launch
 
-    command = [sys.executable, *(["-m"] if ns.module else []), ns.script, *ns.args]
-    return launch(ns.nproc, command, master_port=ns.master_port)
+    argv_ranks = [sys.executable, *(["-m"] if ns.module else []), ns.script, *ns.args]
+    return launch(ns.nproc, argv_ranks, master_port=ns.master_port)
 
 
 if __name__ == "__main__":

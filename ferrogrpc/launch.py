@@ -50,7 +50,10 @@ def launch(
         )
         procs.append(subprocess.Popen(list(command), env=rank_env))
 
+    received: list[int] = []
+
     def forward(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
@@ -60,7 +63,13 @@ def launch(
         while True:
             codes = [p.poll() for p in procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
+            if received and all(c is not None for c in codes):
+                if failed:
+                    name = signal.Signals(received[0]).name
+                    print(f"ferrogrpc launch: stopped by {name}", file=sys.stderr, flush=True)
+                    return 128 + received[0]
+                return 0
+            if failed and not received:
                 rank, code = failed[0]
                 reason = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
                 print(

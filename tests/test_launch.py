@@ -1,0 +1,188 @@
+"""The ferrogrpc CLI: launch (torchrun variables, failure naming, signals),
+the coordinator (rank assignment, health, status, SIGTERM), client.train
+under torchrun, and the compose file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import RANKS, ROOT, free_port
+
+ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+for _key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FERROGRPC_COORDINATOR"):
+    ENV.pop(_key, None)
+CLI = [sys.executable, "-m", "ferrogrpc.cli"]
+
+
+def _records(out: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def _checksums_agree(outputs: list[str], steps: int) -> None:
+    by_rank: dict[int, dict[int, float]] = {}
+    for out in outputs:
+        for r in _records(out):
+            if "checksum" in r:
+                by_rank.setdefault(int(r["rank"]), {})[int(r["step"])] = float(r["checksum"])  # type: ignore[arg-type]
+    assert by_rank and all(len(v) == steps for v in by_rank.values()), outputs
+    for step in range(steps):
+        assert len({by_rank[r][step] for r in by_rank}) == 1, f"step {step}: {by_rank}"
+
+
+@pytest.mark.timeout(120)
+def test_launch_trains_and_sets_torchrun_variables() -> None:
+    proc = subprocess.run(
+        [*CLI, "launch", "--nproc", "3", "-m", "client.train", "--mode", "fsdp", "--steps", "4"],
+        env=ENV,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _checksums_agree([proc.stdout], 4)
+    ranks = {r["rank"] for r in _records(proc.stdout) if r.get("event") == "joined"}
+    assert ranks == {0, 1, 2}
+
+
+@pytest.mark.timeout(60)
+def test_launch_stops_the_others_and_names_the_failed_rank() -> None:
+    start = time.monotonic()
+    proc = subprocess.run(
+        [*CLI, "launch", "--nproc", "3", str(RANKS / "fail_rank.py")],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert "rank 1" in proc.stderr and "exit code 3" in proc.stderr, proc.stderr
+    assert time.monotonic() - start < 20, "the surviving ranks were not stopped"
+
+
+@pytest.mark.timeout(60)
+def test_launch_forwards_sigterm() -> None:
+    proc = subprocess.Popen(
+        [*CLI, "launch", "--nproc", "2", str(RANKS / "fail_rank.py"), "sleep"],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    seen = 0
+    while seen < 2:
+        line = proc.stdout.readline()
+        assert line, "ranks did not start"
+        seen += line.startswith("rank ")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0
+
+
+@pytest.mark.timeout(120)
+def test_coordinator_assigns_ranks_reports_status_and_stops_on_sigterm() -> None:
+    port = free_port()
+    coord = subprocess.Popen(
+        [*CLI, "coordinator", "--world-size", "2", "--host", "127.0.0.1", "--port", str(port)],
+        env=ENV,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        target = f"127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while subprocess.run(
+            [sys.executable, "-m", "server.health", target], env=ENV, cwd=ROOT, capture_output=True
+        ).returncode:
+            assert time.monotonic() < deadline, "coordinator never became healthy"
+            time.sleep(0.3)
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, "-m", "client.train", "--mode", "ddp", "--steps", "40"],
+                env=dict(ENV, FERROGRPC_COORDINATOR=target),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for _ in range(2)
+        ]
+        time.sleep(1.0)
+        status = ""
+        deadline = time.monotonic() + 30
+        while "2/2 joined" not in status:
+            assert time.monotonic() < deadline, status
+            status = subprocess.run(
+                [*CLI, "status", target], env=ENV, cwd=ROOT, capture_output=True, text=True
+            ).stdout
+            time.sleep(0.3)
+        assert "rank" in status and "address" in status
+        outs = [p.communicate(timeout=90)[0] for p in ranks]
+        assert all(p.returncode == 0 for p in ranks), outs
+        _checksums_agree(outs, 40)
+        assert sorted(
+            int(next(r for r in _records(o) if r.get("event") == "joined")["rank"]) for o in outs
+        ) == [0, 1]  # type: ignore[arg-type]
+        final = subprocess.run(
+            [*CLI, "status", target], env=ENV, cwd=ROOT, capture_output=True, text=True
+        ).stdout
+        for rank in (0, 1):
+            assert f"\n   {rank}  127.0.0.1:" in final, final
+    finally:
+        coord.send_signal(signal.SIGTERM)
+        out, _ = coord.communicate(timeout=20)
+    assert coord.returncode == 0, out
+    assert "shutting down" in out
+
+
+@pytest.mark.timeout(120)
+def test_client_train_under_torchrun() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "client.train",
+            "--mode",
+            "ddp",
+            "--steps",
+            "5",
+        ],
+        env=ENV,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _checksums_agree([proc.stdout], 5)
+
+
+@pytest.mark.timeout(60)
+def test_compose_file_is_valid() -> None:
+    exe = shutil.which("docker-compose")
+    assert exe, "docker-compose is not installed (.ci/run installs Debian's package)"
+    proc = subprocess.run(
+        [exe, "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
