@@ -19,7 +19,7 @@ from .errors import (
 )
 from .fsdp import FSDP
 from .ops import SUPPORTED_DTYPES, ReduceOp
-from .options import ChunkPolicy, Timeouts
+from .options import ChunkPolicy, Timeouts, TLSConfig
 from .peer import Peer
 
 __version__ = "0.1.0"
@@ -38,6 +38,7 @@ __all__ = [
     "ProtocolError",
     "ReduceOp",
     "RendezvousError",
+    "TLSConfig",
     "Timeouts",
     "Work",
     "__version__",

@@ -21,8 +21,10 @@ from .options import (
     BIND_HOST_ENV,
     COORDINATOR_ENV,
     PORT_ENV,
+    TOKEN_ENV,
     ChunkPolicy,
     Timeouts,
+    TLSConfig,
 )
 from .peer import Peer
 from .rendezvous import Rendezvous, StoreRendezvous, route_host
@@ -48,6 +50,10 @@ class Work(Generic[T]):
         try:
             return self._future.result(timeout)
         except concurrent.futures.TimeoutError:
+            # That is the builtin TimeoutError, which CollectiveTimeoutError
+            # also is: a finished future raised the collective's own error.
+            if self._future.done():
+                raise
             raise CollectiveTimeoutError(
                 f"Work.wait timed out after {timeout:g}s; the collective is still running",
                 op=self._name,
@@ -300,6 +306,8 @@ def init_backend(
     advertise_host: str | None = None,
     port: int | None = None,
     checksum: bool | None = None,
+    tls: TLSConfig | None = None,
+    token: str | None = None,
 ) -> Backend:
     """Join the group and return a blocking :class:`Backend`.
 
@@ -315,6 +323,11 @@ def init_backend(
     (``FERROGRPC_PORT``; default an ephemeral port) and advertises
     ``advertise_host`` (``FERROGRPC_ADVERTISE_HOST``; default the local
     address that routes to the master).
+
+    Security: ``tls`` (or ``FERROGRPC_TLS_CERT``/``_KEY``/``_CA``) turns on
+    mutual TLS between peers; ``token`` (or ``FERROGRPC_TOKEN``) makes every
+    peer refuse RPCs that do not carry the shared token. Chunks carry a
+    CRC32C unless ``checksum=False`` (``FERROGRPC_CHECKSUM=0``).
 
     Returns once every rank has joined and the ring has passed a barrier.
     Raises RendezvousError or CollectiveTimeoutError if that does not happen
@@ -359,6 +372,8 @@ def init_backend(
         timeouts=timeouts,
         chunk_policy=chunk_policy,
         checksum=resolve_checksum(checksum),
+        tls=tls if tls is not None else TLSConfig.from_env(),
+        token=token if token is not None else (os.environ.get(TOKEN_ENV) or None),
     )
     try:
         peer = asyncio.run_coroutine_threadsafe(start, loop).result(timeout=timeouts.connect + 30)

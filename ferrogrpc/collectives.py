@@ -67,6 +67,9 @@ _REDUCERS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], o
     ReduceOp.MIN: lambda a, b, out: torch.minimum(a, b, out=out),
 }
 
+# How long a failing rank tries to hand its right neighbour the cause in band.
+ABORT_WRITE_S = 0.5
+
 _DESCRIPTOR_FIELDS = (
     ("kind", kind_name),
     ("dtype", wire_dtype_name),
@@ -127,14 +130,49 @@ class LaneRunner:
         # Out-of-place reduce-scatter keeps reduced chunks here until forwarded.
         self.scratch: dict[int, torch.Tensor] = {}
         self.in_place = job.out is None
+        # The outgoing stream, until it has been closed cleanly.
+        self.out: OutStream | None = None
 
     def _error(self, cls: type[FerroGrpcError], message: str, peer: int | None) -> FerroGrpcError:
         return self.peer.error(cls, message, op=self.job.name, seq=self.job.seq, peer=peer)
 
     async def run(self) -> None:
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._send())
-            tg.create_task(self._receive())
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._send())
+                tg.create_task(self._receive())
+        except BaseException as exc:
+            await self._abort_downstream(exc)
+            raise
+
+    def _cause(self, exc: BaseException) -> FerroGrpcError:
+        if isinstance(exc, FerroGrpcError):
+            return self.peer.contextualize(exc, self.job.name, self.job.seq, None)
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                if not isinstance(inner, asyncio.CancelledError):
+                    return self._cause(inner)
+        broken = self.peer.broken
+        if broken is not None:
+            return broken
+        return self._error(PeerError, f"the collective was interrupted ({exc!r})", None)
+
+    async def _abort_downstream(self, exc: BaseException) -> None:
+        """Tell the right neighbour why, in band, before the stream ends: so it
+        reports the root cause instead of "the stream ended"."""
+        stream, self.out = self.out, None
+        if stream is None:
+            return
+        header = self._header()
+        header.abort.CopyFrom(self.peer.abort_message(self._cause(exc)))
+        try:
+            async with asyncio.timeout(ABORT_WRITE_S):
+                await stream.write(wire.encode(header))
+                await stream.close()
+        except (Exception, asyncio.CancelledError):
+            pass
+        finally:
+            stream.cancel()
 
     # ------------------------------------------------------------- sending
 
@@ -164,44 +202,44 @@ class LaneRunner:
     async def _send(self) -> None:
         peer = self.peer
         stream = await peer.transport.open(self.right, self.lane)
+        self.out = stream
+        header = self._header()
+        header.descriptor.CopyFrom(self.job.descriptor)
+        header.nonce = peer.nonce
+        await self._write(stream, wire.encode(header), 0)
+        header.ClearField("nonce")
+        header.ClearField("descriptor")
+        flat = self.job.buffer
+        checksum = peer.checksum
+        for item in self.plan.sends:
+            if item.after > self.received.value:
+                await self.received.wait_for(item.after)
+            if item.from_recv >= 0 and not self.in_place:
+                data = self.scratch.pop(item.from_recv)
+            else:
+                data = flat[item.lo : item.hi]
+            payload = _bytes_view(data)
+            header.step = item.step
+            header.chunk_index = item.chunk
+            header.offset = item.lo
+            if checksum is not None:
+                header.crc32c = checksum(payload)
+                header.has_crc = True
+            await self._write(stream, wire.encode(header, payload), item.step)
+            peer.stats.bytes_sent += payload.nbytes
         try:
-            header = self._header()
-            header.descriptor.CopyFrom(self.job.descriptor)
-            await self._write(stream, wire.encode(header), 0)
-            header.ClearField("descriptor")
-            flat = self.job.buffer
-            checksum = peer.checksum
-            for item in self.plan.sends:
-                if item.after > self.received.value:
-                    await self.received.wait_for(item.after)
-                if item.from_recv >= 0 and not self.in_place:
-                    data = self.scratch.pop(item.from_recv)
-                else:
-                    data = flat[item.lo : item.hi]
-                payload = _bytes_view(data)
-                header.step = item.step
-                header.chunk_index = item.chunk
-                header.offset = item.lo
-                if checksum is not None:
-                    header.crc32c = checksum(payload)
-                    header.has_crc = True
-                await self._write(stream, wire.encode(header, payload), item.step)
-                peer.stats.bytes_sent += payload.nbytes
-            try:
-                async with asyncio.timeout(peer.timeouts.idle):
-                    await stream.close()
-            except TimeoutError:
-                raise self._error(
-                    CollectiveTimeoutError,
-                    f"rank {self.right} ({peer.address_of(self.right)}) did not finish reading "
-                    f"within {peer.timeouts.idle:g}s",
-                    self.right,
-                ) from None
-            except FerroGrpcError as exc:
-                raise peer.contextualize(exc, self.job.name, self.job.seq, self.right) from exc
-        except BaseException:
-            stream.cancel()
-            raise
+            async with asyncio.timeout(peer.timeouts.idle):
+                await stream.close()
+        except TimeoutError:
+            raise self._error(
+                CollectiveTimeoutError,
+                f"rank {self.right} ({peer.address_of(self.right)}) did not finish reading "
+                f"within {peer.timeouts.idle:g}s",
+                self.right,
+            ) from None
+        except FerroGrpcError as exc:
+            raise peer.contextualize(exc, self.job.name, self.job.seq, self.right) from exc
+        self.out = None
 
     # ----------------------------------------------------------- receiving
 
@@ -275,6 +313,8 @@ class LaneRunner:
                 raise self._error(
                     ProtocolError, f"from rank {self.left}: {exc.message}", self.left
                 ) from exc
+            if header.HasField("abort"):
+                raise peer.error_from_abort(header.abort)
             nbytes = (item.hi - item.lo) * itemsize
             if (
                 header.seq != job.seq
@@ -330,6 +370,8 @@ class LaneRunner:
             peer.stats.bytes_received += nbytes
             self.received.advance()
         tail = await self._read(stream, "the end of the stream")
+        if tail is not None and wire.decode(tail)[0].HasField("abort"):
+            raise peer.error_from_abort(wire.decode(tail)[0].abort)
         if tail is not None:
             raise self._error(
                 ProtocolError,

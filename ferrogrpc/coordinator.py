@@ -34,6 +34,7 @@ class _Member:
     rank: int
     address: str
     peer_id: str
+    nonce: str = ""
     last_heartbeat: float = 0.0
     collective: str = ""
     seq: int = 0
@@ -91,7 +92,7 @@ class Coordinator:
                 rank = request.requested_rank
             else:
                 rank = min(set(range(self.world_size)) - taken)
-            member = _Member(rank, request.address, request.peer_id, time.time())
+            member = _Member(rank, request.address, request.peer_id, request.nonce, time.time())
             self._members[rank] = member
             logger.info(
                 "rank %d joined from %s (%d/%d)",
@@ -214,13 +215,16 @@ class CoordinatorRendezvous:
         self._task: asyncio.Task[None] | None = None
 
     async def exchange(
-        self, rank: int | None, world_size: int | None, address: str
+        self, rank: int | None, world_size: int | None, address: str, nonce: str
     ) -> RendezvousResult:
         channel = grpc.aio.insecure_channel(self.target)
         self._channel = channel
         join = _stub(channel, "Join", rpb.JoinRequest, rpb.JoinResponse)
         request = rpb.JoinRequest(
-            address=address, requested_rank=-1 if rank is None else rank, peer_id=self.peer_id
+            address=address,
+            requested_rank=-1 if rank is None else rank,
+            peer_id=self.peer_id,
+            nonce=nonce,
         )
         deadline = time.monotonic() + self.timeout
         while True:
@@ -246,7 +250,9 @@ class CoordinatorRendezvous:
             )
         self.rank = response.rank
         self.run_id = response.run_id
-        return RendezvousResult(response.rank, response.world_size, list(response.addresses))
+        return RendezvousResult(
+            response.rank, response.world_size, list(response.addresses), list(response.nonces)
+        )
 
     def start_heartbeats(self, current: Callable[[], tuple[str, int]]) -> None:
         """Report ``current()`` (collective name, seq) every heartbeat period."""

@@ -30,6 +30,10 @@ CHUNK_BYTES_ENV: Final = "FERROGRPC_CHUNK_BYTES"
 LANES_ENV: Final = "FERROGRPC_LANES"
 TOKEN_ENV: Final = "FERROGRPC_TOKEN"
 CHECKSUM_ENV: Final = "FERROGRPC_CHECKSUM"
+TLS_CERT_ENV: Final = "FERROGRPC_TLS_CERT"
+TLS_KEY_ENV: Final = "FERROGRPC_TLS_KEY"
+TLS_CA_ENV: Final = "FERROGRPC_TLS_CA"
+TLS_SERVER_NAME_ENV: Final = "FERROGRPC_TLS_SERVER_NAME"
 
 
 def _env_float(name: str, default: float) -> float:
@@ -122,3 +126,48 @@ class ChunkPolicy:
             chunk_bytes=_env_int(CHUNK_BYTES_ENV, default.chunk_bytes),
             max_lanes=_env_int(LANES_ENV, default.max_lanes),
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class TLSConfig:
+    """Mutual TLS between peers: every peer presents ``certificate_chain``
+    (PEM) with ``private_key`` and accepts only peers whose certificates chain
+    to ``root_certificates``. ``server_name``, if set, is the name checked in
+    every peer's certificate instead of the dialled host (handy when one
+    certificate is shared by all ranks).
+
+    From files: ``TLSConfig.from_files(cert, key, ca)``; from the environment:
+    ``FERROGRPC_TLS_CERT``, ``FERROGRPC_TLS_KEY``, ``FERROGRPC_TLS_CA`` and
+    ``FERROGRPC_TLS_SERVER_NAME``.
+    """
+
+    certificate_chain: bytes
+    private_key: bytes
+    root_certificates: bytes
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("certificate_chain", "private_key", "root_certificates"):
+            value = getattr(self, name)
+            if not isinstance(value, bytes) or b"-----BEGIN" not in value:
+                raise ConfigError(f"TLSConfig.{name} must be PEM bytes")
+
+    @classmethod
+    def from_files(cls, cert: str, key: str, ca: str, server_name: str | None = None) -> TLSConfig:
+        try:
+            with open(cert, "rb") as c, open(key, "rb") as k, open(ca, "rb") as a:
+                return cls(c.read(), k.read(), a.read(), server_name)
+        except OSError as exc:
+            raise ConfigError(f"cannot read TLS files: {exc}") from exc
+
+    @classmethod
+    def from_env(cls) -> TLSConfig | None:
+        paths = [os.environ.get(n) for n in (TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV)]
+        if not any(paths):
+            return None
+        if not all(paths):
+            raise ConfigError(
+                f"mutual TLS needs all of {TLS_CERT_ENV}, {TLS_KEY_ENV} and {TLS_CA_ENV}"
+            )
+        cert, key, ca = (str(p) for p in paths)
+        return cls.from_files(cert, key, ca, os.environ.get(TLS_SERVER_NAME_ENV) or None)

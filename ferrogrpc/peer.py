@@ -4,14 +4,16 @@ streams to the collective that waits for them, and runs the collectives."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
+import hmac
 import logging
+import secrets
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import torch
+from google.protobuf.message import DecodeError
 
 from . import schedule, wire
 from .collectives import Job, LaneRunner, build_plans
@@ -24,16 +26,16 @@ from .errors import (
     ProtocolError,
 )
 from .ops import DTYPE_TO_WIRE, OP_TO_WIRE, SUPPORTED_DTYPES, ReduceOp
-from .options import ChunkPolicy, Timeouts
+from .options import ChunkPolicy, Timeouts, TLSConfig
 from .rendezvous import Rendezvous
 from .transport import GrpcTransport, InStream, StreamHandler, Transport
 from .v1 import collective_pb2 as pb
 
 logger = logging.getLogger("ferrogrpc")
 
-# How long a rank whose stream broke waits for the abort message that names
-# the root cause, before reporting the broken stream itself.
-ABORT_GRACE_S = 1.0
+# Streams for collectives this rank has not reached yet wait in mailboxes; a
+# sender can run ahead, but not without bound.
+MAX_UNCLAIMED_STREAMS = 4096
 
 T = TypeVar("T")
 MailboxKey = tuple[int, int, int, int]  # (group, seq, lane, src_rank)
@@ -117,8 +119,13 @@ class Peer(StreamHandler):
         self._broken: FerroGrpcError | None = None
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
-        self._abort_arrived = asyncio.Event()
         self._rendezvous: object | None = None
+        # This rank's session nonce and everyone's, from the rendezvous. Empty
+        # nonces (a Peer built by hand) disable the check.
+        self.nonce = ""
+        self._nonces: list[str] = []
+        # Sequence numbers handed out whose collective has not finished yet.
+        self._pending: set[int] = set()
         self.log = logging.LoggerAdapter(logger, {"rank": rank})
 
     # ---------------------------------------------------------------- setup
@@ -137,6 +144,8 @@ class Peer(StreamHandler):
         timeouts: Timeouts | None = None,
         chunk_policy: ChunkPolicy | None = None,
         checksum: Callable[[memoryview], int] | None = None,
+        tls: TLSConfig | None = None,
+        token: str | None = None,
     ) -> Peer:
         """Bind, join the rendezvous, connect, and return once every rank has.
 
@@ -144,7 +153,8 @@ class Peer(StreamHandler):
         them (the coordinator does). Without a ``rendezvous`` the env://
         TCPStore rendezvous at MASTER_ADDR:MASTER_PORT is used. Raises
         RendezvousError if the group is not complete within the connect
-        timeout.
+        timeout. ``tls`` (mutual TLS) and ``token`` (shared-token
+        authentication) secure the default gRPC transport.
         """
         from ._malloc import tune_allocator
         from .rendezvous import StoreRendezvous
@@ -152,7 +162,7 @@ class Peer(StreamHandler):
         tune_allocator()
         timeouts = timeouts or Timeouts()
         if transport is None:
-            transport = GrpcTransport(f"{bind_host}:{port}", advertise_host)
+            transport = GrpcTransport(f"{bind_host}:{port}", advertise_host, tls=tls, token=token)
         if rendezvous is None:
             rendezvous = StoreRendezvous.from_env(rank, world_size, timeout=timeouts.connect)
         # The handler must exist before the transport serves; rank is filled in
@@ -160,8 +170,9 @@ class Peer(StreamHandler):
         peer = cls.__new__(cls)
         holder = _Deferred()
         address = await transport.start(holder)
+        nonce = secrets.token_hex(16)
         try:
-            result = await rendezvous.exchange(rank, world_size, address)
+            result = await rendezvous.exchange(rank, world_size, address, nonce)
             cls.__init__(
                 peer,
                 result.rank,
@@ -172,6 +183,8 @@ class Peer(StreamHandler):
                 checksum=checksum,
             )
             peer.address = address
+            peer.nonce = nonce
+            peer._nonces = list(result.nonces)
             peer._rendezvous = rendezvous
             holder.bind(peer)
             transport.connect(result.addresses)
@@ -201,6 +214,11 @@ class Peer(StreamHandler):
             raise CollectiveTimeoutError(
                 f"the ring did not form within {self.timeouts.connect:g}s", rank=self.rank
             ) from exc
+
+    @property
+    def broken(self) -> FerroGrpcError | None:
+        """The failure that broke this peer, or None."""
+        return self._broken
 
     def address_of(self, rank: int) -> str:
         addresses = self.transport.addresses
@@ -258,6 +276,16 @@ class Peer(StreamHandler):
     def drop_mailbox(self, key: MailboxKey) -> None:
         self._mailboxes.pop(key, None)
 
+    def _verify_nonce(self, rank: int, nonce: str, what: str, origin: str) -> None:
+        if not self._nonces:
+            return
+        expected = self._nonces[rank] if 0 <= rank < len(self._nonces) else ""
+        if not hmac.compare_digest(expected.encode(), nonce.encode()):
+            raise ProtocolError(
+                f"{what} from {origin} claims to be rank {rank} but does not carry rank {rank}'s "
+                "session nonce; refused"
+            )
+
     async def handle_stream(self, first: bytes, stream: InStream, origin: str) -> None:
         header, _ = wire.decode(first)
         if not header.HasField("descriptor"):
@@ -272,7 +300,14 @@ class Peer(StreamHandler):
                 f"stream from {origin} claims rank {header.src_rank}, which is not this rank's "
                 "left neighbour"
             )
+        self._verify_nonce(header.src_rank, header.nonce, "a stream", origin)
+        if header.seq <= self._seq and header.seq not in self._pending:
+            raise ProtocolError(
+                f"stream from {origin} for seq {header.seq}, which this rank already finished"
+            )
         key = (header.group, header.seq, header.lane, header.src_rank)
+        if key not in self._mailboxes and len(self._mailboxes) >= MAX_UNCLAIMED_STREAMS:
+            raise ProtocolError(f"too many streams waiting for collectives; refused {origin}")
         box = self.mailbox(key)
         if box.arrived.done():
             raise ProtocolError(
@@ -294,19 +329,38 @@ class Peer(StreamHandler):
             self.drop_mailbox(key)
 
     async def handle_abort(self, message: bytes) -> None:
-        abort = pb.Abort.FromString(message)
+        try:
+            abort = pb.Abort.FromString(message)
+        except DecodeError as exc:
+            raise ProtocolError(f"undecodable abort message: {exc}") from exc
+        if abort.from_rank >= self.world_size or abort.from_rank == self.rank:
+            raise ProtocolError(f"abort from unknown rank {abort.from_rank}")
+        self._verify_nonce(abort.from_rank, abort.nonce, "an abort", f"rank {abort.from_rank}")
+        self._break(self.error_from_abort(abort), broadcast=False)
+
+    def error_from_abort(self, abort: pb.Abort) -> FerroGrpcError:
+        """The error another rank reported, as this rank raises it."""
         cls = ERROR_CLASSES.get(abort.error, PeerError)
-        culprit = abort.culprit if abort.culprit >= 0 else None
+        culprit = abort.culprit if 0 <= abort.culprit < self.world_size else None
         op = self._ops.get(abort.seq)
-        err = self.error(
+        return self.error(
             cls,
             f"rank {abort.from_rank} reported: {abort.message}",
             op=op.name if op else None,
             seq=abort.seq,
             peer=culprit,
         )
-        self._abort_arrived.set()
-        self._break(err, broadcast=False)
+
+    def abort_message(self, err: FerroGrpcError) -> pb.Abort:
+        return pb.Abort(
+            group=self.group,
+            seq=err.seq or 0,
+            from_rank=self.rank,
+            error=type(err).__name__,
+            message=str(err),
+            culprit=err.peer if err.peer is not None else -1,
+            nonce=self.nonce,
+        )
 
     def _break(self, err: FerroGrpcError, *, broadcast: bool) -> None:
         """Enter the broken state: fail every running collective with ``err``
@@ -319,14 +373,7 @@ class Peer(StreamHandler):
                 op.error = err
                 op.task.cancel()
         if broadcast and first:
-            abort = pb.Abort(
-                group=self.group,
-                seq=err.seq or 0,
-                from_rank=self.rank,
-                error=type(err).__name__,
-                message=str(err),
-                culprit=err.peer if err.peer is not None else -1,
-            ).SerializeToString()
+            abort = self.abort_message(err).SerializeToString()
             for dst in range(self.world_size):
                 if dst != self.rank:
                     self._spawn(self._send_abort(dst, abort))
@@ -347,6 +394,8 @@ class Peer(StreamHandler):
     def _next_seq(self) -> int:
         with self._seq_lock:
             self._seq += 1
+            if self.world_size > 1:
+                self._pending.add(self._seq)
             return self._seq
 
     def _job(
@@ -411,19 +460,12 @@ class Peer(StreamHandler):
             raise await self._failed(job, err) from group
         finally:
             self._ops.pop(job.seq, None)
+            self._pending.discard(job.seq)
             self.stats.collectives += 1
 
     async def _failed(self, job: Job, exc: FerroGrpcError) -> FerroGrpcError:
         """Decide what a failed collective raises, and tell the other ranks."""
         err = self.contextualize(exc, job.name, job.seq, None)
-        if isinstance(err, PeerError) and self._broken is None:
-            # A broken stream is often the echo of a failure another rank found
-            # (a mismatch, a timeout); its abort message carries the cause and
-            # is usually a moment behind. Prefer it, so every rank reports the
-            # same root cause.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(ABORT_GRACE_S):
-                    await self._abort_arrived.wait()
         if self._broken is not None:
             broken = self._broken
             if broken.seq == job.seq or broken.op is None:

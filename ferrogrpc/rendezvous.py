@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import json
 import os
 import socket
 from typing import Protocol
@@ -29,13 +30,16 @@ class RendezvousResult:
     rank: int
     world_size: int
     addresses: list[str]
+    # Each rank's session nonce: a stream or abort claiming to come from rank
+    # r must carry nonces[r].
+    nonces: list[str]
 
 
 class Rendezvous(Protocol):
     async def exchange(
-        self, rank: int | None, world_size: int | None, address: str
+        self, rank: int | None, world_size: int | None, address: str, nonce: str
     ) -> RendezvousResult:
-        """Publish ``address`` and return the complete peer table."""
+        """Publish ``address`` and ``nonce``; return the complete peer table."""
         ...
 
 
@@ -146,14 +150,15 @@ class StoreRendezvous:
                 world_size=self.world_size,
             ) from exc
 
-    def _exchange(self, address: str) -> list[str]:
+    def _exchange(self, address: str, nonce: str) -> list[dict[str, str]]:
         store = self._connect()
         self.store = store
         try:
-            store.set(f"{self.prefix}addr/{self.rank}", address)  # type: ignore[attr-defined]
-            keys = [f"{self.prefix}addr/{r}" for r in range(self.world_size)]
+            entry = json.dumps({"address": address, "nonce": nonce})
+            store.set(f"{self.prefix}peer/{self.rank}", entry)  # type: ignore[attr-defined]
+            keys = [f"{self.prefix}peer/{r}" for r in range(self.world_size)]
             store.wait(keys, datetime.timedelta(seconds=self.timeout))  # type: ignore[attr-defined]
-            return [store.get(k).decode() for k in keys]  # type: ignore[attr-defined]
+            return [json.loads(store.get(k).decode()) for k in keys]  # type: ignore[attr-defined]
         except (RuntimeError, OSError) as exc:
             raise RendezvousError(
                 f"not every rank published its address to {self.master_addr}:{self.master_port} "
@@ -163,13 +168,20 @@ class StoreRendezvous:
             ) from exc
 
     async def exchange(
-        self, rank: int | None, world_size: int | None, address: str
+        self, rank: int | None, world_size: int | None, address: str, nonce: str
     ) -> RendezvousResult:
-        addresses = await asyncio.get_running_loop().run_in_executor(None, self._exchange, address)
-        return RendezvousResult(self.rank, self.world_size, addresses)
+        loop = asyncio.get_running_loop()
+        table = await loop.run_in_executor(None, self._exchange, address, nonce)
+        return RendezvousResult(
+            self.rank,
+            self.world_size,
+            [e["address"] for e in table],
+            [e["nonce"] for e in table],
+        )
 
-    def advertise_host(self) -> str:
-        return route_host(self.master_addr)
+    async def close(self) -> None:
+        """Release the store (and, on a hosting rank 0, stop serving it)."""
+        self.store = None
 
 
 class LocalRendezvous:
@@ -177,19 +189,20 @@ class LocalRendezvous:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self._addresses: dict[int, str] = {}
+        self._table: dict[int, tuple[str, str]] = {}
         self._ready: asyncio.Event | None = None
 
     async def exchange(
-        self, rank: int | None, world_size: int | None, address: str
+        self, rank: int | None, world_size: int | None, address: str, nonce: str
     ) -> RendezvousResult:
         assert rank is not None
         if self._ready is None:
             self._ready = asyncio.Event()
-        self._addresses[rank] = address
-        if len(self._addresses) == self.world_size:
+        self._table[rank] = (address, nonce)
+        if len(self._table) == self.world_size:
             self._ready.set()
         await self._ready.wait()
+        ordered = [self._table[r] for r in range(self.world_size)]
         return RendezvousResult(
-            rank, self.world_size, [self._addresses[r] for r in range(self.world_size)]
+            rank, self.world_size, [a for a, _ in ordered], [n for _, n in ordered]
         )

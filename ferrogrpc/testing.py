@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import dataclasses
+import enum
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal
 
-from .options import Timeouts
+from .options import Timeouts, TLSConfig
 from .peer import Peer
 from .rendezvous import LocalRendezvous
 from .transport import GrpcTransport, MemoryTransport, Transport
+from .v1 import collective_pb2 as pb
+from .wire import decode, encode
 
 
 @contextlib.asynccontextmanager
@@ -19,28 +23,36 @@ async def local_group(
     *,
     transport: Literal["grpc", "memory"] = "grpc",
     start_timeout: float = 30.0,
+    tls: TLSConfig | None = None,
+    token: str | None = None,
+    faults: Sequence[Fault] = (),
     **options: Any,
 ) -> AsyncIterator[list[Peer]]:
     """Start ``world_size`` peers in this loop on ephemeral loopback ports and
     yield them in rank order; close them all on exit.
 
-    ``transport="memory"`` uses in-process queues instead of gRPC. Other
-    keyword arguments go to :meth:`Peer.start` (``timeouts``,
-    ``chunk_policy``, ``checksum``).
+    ``transport="memory"`` uses in-process queues instead of gRPC. ``tls``
+    and ``token`` secure the gRPC transport; ``faults`` inject failures (see
+    :class:`Fault`). Other keyword arguments go to :meth:`Peer.start`
+    (``timeouts``, ``chunk_policy``, ``checksum``).
     """
     rendezvous = LocalRendezvous(world_size)
     registry: dict[str, MemoryTransport] = {}
     options.setdefault("timeouts", Timeouts(collective=60.0, idle=20.0, connect=20.0))
 
-    def make() -> Transport:
+    def make(rank: int) -> Transport:
+        hooks = [f for f in faults if f.rank == rank]
+        hook = hooks[0].hook() if hooks else None
         if transport == "memory":
-            return MemoryTransport(registry)
-        return GrpcTransport("127.0.0.1:0")
+            memory = MemoryTransport(registry)
+            memory.send_hook = hook
+            return memory
+        return GrpcTransport("127.0.0.1:0", tls=tls, token=token, send_hook=hook)
 
     async with asyncio.timeout(start_timeout):
         peers = await asyncio.gather(
             *(
-                Peer.start(rank, world_size, rendezvous=rendezvous, transport=make(), **options)
+                Peer.start(rank, world_size, rendezvous=rendezvous, transport=make(rank), **options)
                 for rank in range(world_size)
             )
         )
@@ -48,3 +60,44 @@ async def local_group(
         yield list(peers)
     finally:
         await asyncio.gather(*(peer.close() for peer in peers), return_exceptions=True)
+
+
+class FaultKind(enum.Enum):
+    """What an injected fault does to a rank's outgoing chunks."""
+
+    CORRUPT_PAYLOAD = "corrupt_payload"  # flip one payload byte in flight
+    WRONG_SEQ = "wrong_seq"  # rewrite the header's sequence number
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """Inject ``kind`` into the ``nth`` data chunk (counting from 0) that
+    ``rank`` sends, through the transport's send hook:
+    ``local_group(3, faults=[Fault(rank=1, kind=FaultKind.CORRUPT_PAYLOAD)])``.
+    """
+
+    rank: int
+    kind: FaultKind = FaultKind.CORRUPT_PAYLOAD
+    nth: int = 2
+
+    def hook(self) -> Callable[[int, bytes], bytes]:
+        seen = [0]
+
+        def apply(dst: int, message: bytes) -> bytes:
+            header, payload = decode(message)
+            if header.HasField("descriptor") or payload.nbytes == 0:
+                return message
+            index = seen[0]
+            seen[0] += 1
+            if index != self.nth:
+                return message
+            if self.kind is FaultKind.CORRUPT_PAYLOAD:
+                corrupted = bytearray(message)
+                corrupted[-1] ^= 0xFF
+                return bytes(corrupted)
+            forged = pb.ChunkHeader()
+            forged.CopyFrom(header)
+            forged.seq += 1000
+            return encode(forged, payload)
+
+        return apply

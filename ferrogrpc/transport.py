@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import hmac
 import itertools
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol, cast
 
 import grpc
 import grpc.aio
 
-from .errors import FerroGrpcError, PeerError, ProtocolError
+from .errors import ERROR_CLASSES, FerroGrpcError, PeerError, ProtocolError
+from .options import TLSConfig
 
 SERVICE = "ferrogrpc.v1.Collective"
 SEND_METHOD = f"/{SERVICE}/Send"
@@ -73,11 +75,28 @@ class Transport(abc.ABC):
     async def close(self) -> None: ...
 
 
+ERROR_KEY = "ferrogrpc-error"
+CULPRIT_KEY = "ferrogrpc-culprit"
+
+
 def _peer_error(exc: BaseException, dst: int, address: str, what: str) -> FerroGrpcError:
     """Translate a failed RPC into the error a user sees."""
     if isinstance(exc, grpc.aio.AioRpcError):
         code = exc.code()
         details = exc.details() or ""
+        trailing: dict[str, str] = {}
+        pairs = cast(Sequence[tuple[str, Any]], exc.trailing_metadata() or ())
+        for key, value in pairs:
+            trailing[str(key)] = str(value)
+        reported = ERROR_CLASSES.get(trailing.get(ERROR_KEY, ""))
+        if reported is not None:
+            # The receiver failed the stream on purpose and said why.
+            culprit = int(trailing.get(CULPRIT_KEY, dst))
+            return reported(
+                f"rank {dst} reported: {details}",
+                peer=culprit if culprit >= 0 else None,
+                peer_address=address if culprit == dst else None,
+            )
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return ProtocolError(details, peer=dst, peer_address=address)
         if code == grpc.StatusCode.UNAUTHENTICATED:
@@ -99,18 +118,40 @@ def _peer_error(exc: BaseException, dst: int, address: str, what: str) -> FerroG
 # --------------------------------------------------------------------- grpc
 
 
+async def _abort_with(context: grpc.aio.ServicerContext[Any, Any], exc: FerroGrpcError) -> None:
+    """Fail an RPC with ``exc``: its class and culprit travel as trailing
+    metadata, so the sender raises the same kind of error about the same rank."""
+    code = (
+        grpc.StatusCode.INVALID_ARGUMENT
+        if isinstance(exc, ProtocolError)
+        else grpc.StatusCode.ABORTED
+    )
+    context.set_trailing_metadata(
+        (
+            (ERROR_KEY, type(exc).__name__),
+            (CULPRIT_KEY, str(exc.peer if exc.peer is not None else -1)),
+        )
+    )
+    await context.abort(code, str(exc))
+
+
 def _identity(data: bytes) -> bytes:
     return data
 
 
 class _GrpcOutStream:
-    def __init__(self, call: Any, dst: int, address: str) -> None:
+    def __init__(
+        self, call: Any, dst: int, address: str, hook: Callable[[int, bytes], bytes] | None
+    ) -> None:
         # Keep the call referenced: a collected call is cancelled.
         self._call = call
         self._dst = dst
         self._address = address
+        self._hook = hook
 
     async def write(self, message: bytes) -> None:
+        if self._hook is not None:
+            message = self._hook(self._dst, message)
         try:
             await self._call.write(message)
         except Exception as exc:
@@ -149,13 +190,51 @@ class _GrpcInStream:
             return None
 
 
-ServerInterceptors = list[grpc.aio.ServerInterceptor]  # type: ignore[type-arg]
+TOKEN_METADATA_KEY = "x-ferrogrpc-token"
+
+
+class _TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Refuses, with UNAUTHENTICATED, every RPC that does not carry the shared
+    token. It runs before any handler, so nothing such a client sends is read."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+        async def deny_unary(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong ferrogrpc token")
+            return b""
+
+        async def deny_stream(
+            requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+        ) -> bytes:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong ferrogrpc token")
+            return b""
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny_unary)
+        self._deny_stream = grpc.stream_unary_rpc_method_handler(deny_stream)
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        presented = b""
+        for key, value in details.invocation_metadata or ():
+            if key == TOKEN_METADATA_KEY:
+                presented = value.encode() if isinstance(value, str) else bytes(value)
+        if hmac.compare_digest(presented, self._token):
+            return await continuation(details)
+        return self._deny_stream if str(details.method).endswith("/Send") else self._deny_unary
+
+
+SendHook = Callable[[int, bytes], bytes]
 
 
 class GrpcTransport(Transport):
     """Chunks over grpc.aio: a client-streaming ``Send`` RPC per (collective,
     lane), on one channel (one TCP connection) per lane, with raw-bytes
-    (de)serializers so the bulk path builds no protobuf objects."""
+    (de)serializers so the bulk path builds no protobuf objects.
+
+    ``tls`` turns on mutual TLS (both sides present certificates signed by
+    the given root); ``token`` makes the server refuse any RPC without it and
+    the client send it on every RPC. ``send_hook(dst, message)`` may rewrite
+    outgoing messages (fault injection in tests)."""
 
     def __init__(
         self,
@@ -163,18 +242,19 @@ class GrpcTransport(Transport):
         advertise_host: str | None = None,
         *,
         max_message_bytes: int = 80 << 20,
-        server_credentials: grpc.ServerCredentials | None = None,
-        channel_credentials: grpc.ChannelCredentials | None = None,
-        call_credentials: grpc.CallCredentials | None = None,
-        interceptors: ServerInterceptors | None = None,
+        tls: TLSConfig | None = None,
+        token: str | None = None,
+        send_hook: SendHook | None = None,
     ) -> None:
         self._bind = bind
         self._advertise_host = advertise_host
         self._max = max_message_bytes
-        self._server_credentials = server_credentials
-        self._channel_credentials = channel_credentials
-        self._call_credentials = call_credentials
-        self._interceptors = interceptors or []
+        self._tls = tls
+        self._metadata: tuple[tuple[str, str], ...] = (
+            ((TOKEN_METADATA_KEY, token),) if token else ()
+        )
+        self._interceptors = [_TokenInterceptor(token)] if token else []
+        self.send_hook = send_hook
         self._server: grpc.aio.Server | None = None
         self._channels: dict[tuple[int, int], grpc.aio.Channel] = {}
         self._handler: StreamHandler | None = None
@@ -202,8 +282,13 @@ class GrpcTransport(Transport):
                 ),
             )
         )
-        if self._server_credentials is not None:
-            port = server.add_secure_port(self._bind, self._server_credentials)
+        if self._tls is not None:
+            credentials = grpc.ssl_server_credentials(
+                [(self._tls.private_key, self._tls.certificate_chain)],
+                root_certificates=self._tls.root_certificates,
+                require_client_auth=True,
+            )
+            port = server.add_secure_port(self._bind, credentials)
         else:
             port = server.add_insecure_port(self._bind)
         if port == 0:
@@ -227,17 +312,24 @@ class GrpcTransport(Transport):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
         try:
             await self._handler.handle_stream(first, _GrpcInStream(iterator), context.peer())
-        except ProtocolError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except FerroGrpcError as exc:
-            await context.abort(grpc.StatusCode.ABORTED, str(exc))
+            await _abort_with(context, exc)
+        except (ValueError, TypeError, OverflowError, IndexError, KeyError) as exc:
+            # Hostile or garbled input that slipped past the checks: a clean
+            # error for the client, and this peer goes on serving.
+            await _abort_with(context, ProtocolError(f"malformed stream: {exc!r}"))
         return b""
 
     async def _serve_abort(
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> bytes:
         assert self._handler is not None
-        await self._handler.handle_abort(request)
+        try:
+            await self._handler.handle_abort(request)
+        except FerroGrpcError as exc:
+            await _abort_with(context, exc)
+        except (ValueError, TypeError, OverflowError, IndexError, KeyError) as exc:
+            await _abort_with(context, ProtocolError(f"malformed abort: {exc!r}"))
         return b""
 
     def _channel(self, dst: int, lane: int) -> grpc.aio.Channel:
@@ -247,11 +339,15 @@ class GrpcTransport(Transport):
             address = self.addresses[dst]
             # A private subchannel pool gives every lane its own TCP connection.
             options = [*self._options(), ("grpc.use_local_subchannel_pool", 1)]
-            if self._channel_credentials is not None:
-                creds = self._channel_credentials
-                if self._call_credentials is not None:
-                    creds = grpc.composite_channel_credentials(creds, self._call_credentials)
-                channel = grpc.aio.secure_channel(address, creds, options=options)
+            if self._tls is not None:
+                if self._tls.server_name:
+                    options.append(("grpc.ssl_target_name_override", self._tls.server_name))
+                credentials = grpc.ssl_channel_credentials(
+                    root_certificates=self._tls.root_certificates,
+                    private_key=self._tls.private_key,
+                    certificate_chain=self._tls.certificate_chain,
+                )
+                channel = grpc.aio.secure_channel(address, credentials, options=options)
             else:
                 channel = grpc.aio.insecure_channel(address, options=options)
             self._channels[key] = channel
@@ -262,14 +358,15 @@ class GrpcTransport(Transport):
         method = channel.stream_unary(
             SEND_METHOD, request_serializer=_identity, response_deserializer=_identity
         )
-        return _GrpcOutStream(method(), dst, self.addresses[dst])  # type: ignore[call-arg]
+        call = method(metadata=self._metadata)  # type: ignore[call-arg]
+        return _GrpcOutStream(call, dst, self.addresses[dst], self.send_hook)
 
     async def send_abort(self, dst: int, message: bytes, timeout: float) -> None:
         method = self._channel(dst, 0).unary_unary(
             ABORT_METHOD, request_serializer=_identity, response_deserializer=_identity
         )
         try:
-            await method(message, timeout=timeout)
+            await method(message, timeout=timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise _peer_error(exc, dst, self.addresses[dst], "abort") from exc
 
@@ -281,6 +378,9 @@ class GrpcTransport(Transport):
         if self._server is not None:
             server, self._server = self._server, None
             await server.stop(grace=0.5)
+        # Break the peer <-> transport reference cycle so sockets close now,
+        # not at the next garbage collection.
+        self._handler = None
 
 
 # ------------------------------------------------------------------- memory
@@ -295,7 +395,10 @@ class _MemoryInStream:
 
 
 class _MemoryOutStream:
-    def __init__(self, target: MemoryTransport, window: int, dst: int) -> None:
+    def __init__(
+        self, target: MemoryTransport, window: int, dst: int, hook: SendHook | None
+    ) -> None:
+        self._hook = hook
         self._target = target
         self._window = window
         self._dst = dst
@@ -303,6 +406,8 @@ class _MemoryOutStream:
         self._task: asyncio.Task[None] | None = None
 
     async def write(self, message: bytes) -> None:
+        if self._hook is not None:
+            message = self._hook(self._dst, message)
         if self._task is None:
             handler = self._target.handler
             if handler is None or self._target.closed:
@@ -340,6 +445,7 @@ class MemoryTransport(Transport):
     def __init__(self, registry: dict[str, MemoryTransport], window: int = 4) -> None:
         self._registry = registry
         self._window = window
+        self.send_hook: SendHook | None = None
         self.handler: StreamHandler | None = None
         self.closed = False
         self.addresses = []
@@ -357,7 +463,7 @@ class MemoryTransport(Transport):
         return target
 
     async def open(self, dst: int, lane: int) -> OutStream:
-        return _MemoryOutStream(self._target(dst), self._window, dst)
+        return _MemoryOutStream(self._target(dst), self._window, dst, self.send_hook)
 
     async def send_abort(self, dst: int, message: bytes, timeout: float) -> None:
         target = self._target(dst)

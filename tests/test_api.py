@@ -29,6 +29,7 @@ def test_public_names_are_pinned() -> None:
             "ReduceOp",
             "RendezvousError",
             "SUPPORTED_DTYPES",
+            "TLSConfig",
             "Timeouts",
             "Work",
             "__version__",

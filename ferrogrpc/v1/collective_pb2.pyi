@@ -73,7 +73,7 @@ class Descriptor(_message.Message):
     def __init__(self, kind: _Optional[_Union[CollectiveKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., root: _Optional[int] = ..., world_size: _Optional[int] = ..., lanes: _Optional[int] = ..., chunk_elems: _Optional[int] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("group", "seq", "kind", "step", "src_rank", "chunk_index", "lane", "offset", "crc32c", "has_crc", "descriptor")
+    __slots__ = ("group", "seq", "kind", "step", "src_rank", "chunk_index", "lane", "offset", "crc32c", "has_crc", "descriptor", "nonce", "abort")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,8 @@ class ChunkHeader(_message.Message):
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     HAS_CRC_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
     group: int
     seq: int
     kind: CollectiveKind
@@ -96,7 +98,9 @@ class ChunkHeader(_message.Message):
     crc32c: int
     has_crc: bool
     descriptor: Descriptor
-    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[CollectiveKind, str]] = ..., step: _Optional[int] = ..., src_rank: _Optional[int] = ..., chunk_index: _Optional[int] = ..., lane: _Optional[int] = ..., offset: _Optional[int] = ..., crc32c: _Optional[int] = ..., has_crc: _Optional[bool] = ..., descriptor: _Optional[_Union[Descriptor, _Mapping]] = ...) -> None: ...
+    nonce: str
+    abort: Abort
+    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[CollectiveKind, str]] = ..., step: _Optional[int] = ..., src_rank: _Optional[int] = ..., chunk_index: _Optional[int] = ..., lane: _Optional[int] = ..., offset: _Optional[int] = ..., crc32c: _Optional[int] = ..., has_crc: _Optional[bool] = ..., descriptor: _Optional[_Union[Descriptor, _Mapping]] = ..., nonce: _Optional[str] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "payload", "pad")
@@ -115,20 +119,22 @@ class StreamAck(_message.Message):
     def __init__(self, chunks: _Optional[int] = ...) -> None: ...
 
 class Abort(_message.Message):
-    __slots__ = ("group", "seq", "from_rank", "error", "message", "culprit")
+    __slots__ = ("group", "seq", "from_rank", "error", "message", "culprit", "nonce")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     FROM_RANK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CULPRIT_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     group: int
     seq: int
     from_rank: int
     error: str
     message: str
     culprit: int
-    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., from_rank: _Optional[int] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., culprit: _Optional[int] = ...) -> None: ...
+    nonce: str
+    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., from_rank: _Optional[int] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., culprit: _Optional[int] = ..., nonce: _Optional[str] = ...) -> None: ...
 
 class AbortAck(_message.Message):
     __slots__ = ()

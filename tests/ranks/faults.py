@@ -1,0 +1,73 @@
+"""A rank program for fault tests: every rank starts a 64 MiB all_reduce and
+the victim rank fails mid-collective. Usage: faults.py MODE VICTIM OUTDIR.
+
+- kill: the victim SIGKILLs itself once its collective is under way.
+- stop: the victim SIGSTOPs itself (the test SIGKILLs it afterwards).
+Survivors print one JSON line describing the error they got, and then check
+that the backend stays broken with the same cause and closes cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+
+import ferrogrpc as fg
+
+
+def main() -> None:
+    mode, victim, outdir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    idle = float(os.environ.get("FAULT_IDLE", "60"))
+    backend = fg.init_backend(timeouts=fg.Timeouts(collective=120, idle=idle, connect=60))
+    rank = backend.rank
+    t = torch.ones(16 << 20)  # 64 MiB float32
+    backend.all_reduce(t)  # a full one first: every connection is up
+    if rank == victim:
+        stats = backend.peer.stats
+
+        def strike() -> None:
+            start = stats.bytes_received
+            while stats.bytes_received - start < (8 << 20):
+                time.sleep(0.001)
+            with open(os.path.join(outdir, "fault_time"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
+
+        threading.Thread(target=strike, daemon=True).start()
+    try:
+        backend.all_reduce(t)
+    except fg.FerroGrpcError as exc:
+        caught = time.time()
+        record = {
+            "rank": rank,
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "peer": exc.peer,
+            "peer_address": exc.peer_address,
+            "op": exc.op,
+            "seq": exc.seq,
+            "time": caught,
+        }
+        try:
+            backend.all_reduce(torch.ones(4))
+        except fg.FerroGrpcError as later:
+            record["later"] = type(later).__name__
+            record["later_message"] = str(later)
+            record["later_seconds"] = time.time() - caught
+        before = threading.active_count()
+        backend.close()
+        record["threads_before_close"] = before
+        record["threads_after_close"] = threading.active_count()
+        print("RESULT " + json.dumps(record), flush=True)
+        return
+    print("RESULT " + json.dumps({"rank": rank, "type": "none"}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Failure semantics with real processes: a SIGKILLed or SIGSTOPped rank is
+named on every surviving rank, quickly; afterwards the backend raises at once
+with the original cause and closes cleanly. Plus: a failed DDP sync leaves
+.grad untouched, and init/close cycles leak no threads or sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ferrogrpc as fg
+from tests.helpers import RANKS, free_port, rank_env
+
+WORLD = 4
+VICTIM = 2
+
+
+def _run_fault(
+    mode: str, tmp_path: Path, extra_env: dict[str, str]
+) -> tuple[list[dict[str, object]], float]:
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(RANKS / "faults.py"), mode, str(VICTIM), str(tmp_path)],
+            env=rank_env(rank, WORLD, port, **extra_env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(WORLD)
+    ]
+    try:
+        outputs: dict[int, str] = {}
+        for rank, proc in enumerate(procs):
+            if rank == VICTIM:
+                continue
+            outputs[rank], _ = proc.communicate(timeout=60)
+        results = []
+        for rank, out in outputs.items():
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            assert lines, f"rank {rank} printed no result:\n{out}"
+            results.append(json.loads(lines[0][len("RESULT ") :]))
+        fault_time = float((tmp_path / "fault_time").read_text())
+        return results, fault_time
+    finally:
+        victim = procs[VICTIM]
+        if victim.poll() is None:
+            victim.send_signal(signal.SIGCONT)
+            victim.kill()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def _victim_address(results: list[dict[str, object]]) -> str:
+    addresses = {r["peer_address"] for r in results if r["peer_address"]}
+    assert len(addresses) == 1, addresses
+    return str(addresses.pop())
+
+
+@pytest.mark.timeout(90)
+def test_sigkilled_peer_is_named_on_every_rank_within_5s(tmp_path: Path) -> None:
+    results, fault_time = _run_fault("kill", tmp_path, {})
+    address = _victim_address(results)
+    for r in results:
+        delay = float(r["time"]) - fault_time  # type: ignore[arg-type]
+        print(f"rank {r['rank']}: {r['type']} after {delay:.3f}s: {r['message']}")
+        assert r["type"] == "PeerError", r
+        assert r["peer"] == VICTIM, r
+        assert f"rank {VICTIM}" in str(r["message"]) and address in str(r["message"]), r
+        assert r["op"] == "all_reduce" and r["seq"] == 3, r
+        assert delay < 5.0, f"rank {r['rank']} took {delay:.2f}s to notice"
+        # Later collectives raise at once, with the original cause.
+        assert r["later"] == "PeerError" and float(r["later_seconds"]) < 0.5, r  # type: ignore[arg-type]
+        assert str(r["message"]).split("] ", 1)[1] in str(r["later_message"]), r
+        assert int(r["threads_after_close"]) < int(r["threads_before_close"]), r  # type: ignore[call-overload]
+
+
+@pytest.mark.timeout(90)
+def test_sigstopped_peer_times_out_naming_it(tmp_path: Path) -> None:
+    results, fault_time = _run_fault("stop", tmp_path, {"FAULT_IDLE": "2"})
+    for r in results:
+        delay = float(r["time"]) - fault_time  # type: ignore[arg-type]
+        print(f"rank {r['rank']}: {r['type']} after {delay:.3f}s: {r['message']}")
+        assert r["type"] == "CollectiveTimeoutError", r
+        assert r["peer"] == VICTIM, r
+        assert 1.5 < delay < 10.0, delay
+        assert r["later"] == "CollectiveTimeoutError", r
+
+
+def _pair(**kw: object) -> tuple[fg.Backend, fg.Backend]:
+    port = free_port()
+    timeouts = fg.Timeouts(collective=30, idle=5, connect=30)
+    with ThreadPoolExecutor(2) as pool:
+        b0, b1 = pool.map(
+            lambda r: fg.init_backend(r, 2, "127.0.0.1", port, timeouts=timeouts, **kw),
+            [0, 1],  # type: ignore[arg-type]
+        )
+    return b0, b1
+
+
+@pytest.mark.timeout(60)
+def test_failed_ddp_sync_leaves_grad_untouched() -> None:
+    b0, b1 = _pair()
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    with ThreadPoolExecutor(2) as pool:
+        ddps = list(
+            pool.map(lambda a: fg.DDP(a[0], a[1], bucket_size_bytes=1024), zip(models, (b0, b1)))
+        )
+    x = torch.randn(6, 8)
+    # One good step on both ranks.
+    with ThreadPoolExecutor(2) as pool:
+
+        def step(i: int) -> None:
+            ddps[i](x[i * 3 : (i + 1) * 3]).sum().backward()
+            ddps[i].sync_gradients()
+
+        list(pool.map(step, [0, 1]))
+    # Rank 0 accumulates a second backward; rank 1 goes away.
+    ddps[0](x[:3]).pow(2).sum().backward()
+    before = {n: p.grad.clone() for n, p in models[0].named_parameters() if p.grad is not None}
+    b1.close()
+    start = time.monotonic()
+    with pytest.raises(fg.PeerError) as info:
+        ddps[0].sync_gradients()
+    print(f"sync failed after {time.monotonic() - start:.3f}s: {info.value}")
+    assert info.value.peer == 1
+    for name, p in models[0].named_parameters():
+        assert p.grad is not None and torch.equal(p.grad, before[name]), name
+    with pytest.raises(fg.PeerError, match="broken by an earlier failure"):
+        b0.all_reduce(torch.ones(3))
+    b0.close()
+    b0.close()  # idempotent
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.timeout(90)
+def test_init_close_cycles_leak_no_threads_or_sockets() -> None:
+    def cycle() -> None:
+        b0, b1 = _pair()
+        ts = [torch.ones(1000), torch.ones(1000)]
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda i: (b0, b1)[i].all_reduce(ts[i]), [0, 1]))
+        assert ts[0][0].item() == 2.0
+        b0.close()
+        b1.close()
+
+    cycle()  # grpc starts its process-wide threads once
+    time.sleep(0.5)
+    threads, fds = threading.active_count(), _fds()
+    for _ in range(3):
+        cycle()
+    time.sleep(0.5)
+    print(f"threads {threads} -> {threading.active_count()}, fds {fds} -> {_fds()}")
+    assert threading.active_count() <= threads
+    assert _fds() <= fds + 2
