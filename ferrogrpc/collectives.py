@@ -227,6 +227,13 @@ class LaneRunner:
                 header.has_crc = True
             await self._write(stream, wire.encode(header, payload), item.step)
             peer.stats.bytes_sent += payload.nbytes
+        # End the stream only once everything this rank receives has arrived
+        # and passed its checks: the right neighbour's collective then cannot
+        # finish before this rank's has all its data. (For a broadcast this
+        # is what makes the root's call return only when the last rank has
+        # the data.)
+        if self.received.value < len(self.plan.recvs):
+            await self.received.wait_for(len(self.plan.recvs))
         try:
             async with asyncio.timeout(peer.timeouts.idle):
                 await stream.close()

@@ -143,7 +143,7 @@ class Peer(StreamHandler):
         advertise_host: str | None = None,
         timeouts: Timeouts | None = None,
         chunk_policy: ChunkPolicy | None = None,
-        checksum: Callable[[memoryview], int] | None = None,
+        checksum: Callable[[memoryview], int] | bool | None = True,
         tls: TLSConfig | None = None,
         token: str | None = None,
     ) -> Peer:
@@ -154,8 +154,15 @@ class Peer(StreamHandler):
         TCPStore rendezvous at MASTER_ADDR:MASTER_PORT is used. Raises
         RendezvousError if the group is not complete within the connect
         timeout. ``tls`` (mutual TLS) and ``token`` (shared-token
-        authentication) secure the default gRPC transport.
+        authentication) secure the default gRPC transport. ``checksum``
+        (default on: CRC32C) guards every chunk; all ranks must agree.
         """
+        from .integrity import crc32c
+
+        if checksum is True:
+            checksum = crc32c
+        elif checksum is False:
+            checksum = None
         from ._malloc import tune_allocator
         from .rendezvous import StoreRendezvous
 

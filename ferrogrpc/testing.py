@@ -9,6 +9,7 @@ import enum
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal
 
+from .ops import kind_name
 from .options import Timeouts, TLSConfig
 from .peer import Peer
 from .rendezvous import LocalRendezvous
@@ -79,6 +80,9 @@ class Fault:
     rank: int
     kind: FaultKind = FaultKind.CORRUPT_PAYLOAD
     nth: int = 2
+    # Only chunks of this collective kind count ("all_reduce", "broadcast",
+    # ...); None counts every data chunk, the startup barrier's included.
+    collective: str | None = None
 
     def hook(self) -> Callable[[int, bytes], bytes]:
         seen = [0]
@@ -86,6 +90,8 @@ class Fault:
         def apply(dst: int, message: bytes) -> bytes:
             header, payload = decode(message)
             if header.HasField("descriptor") or payload.nbytes == 0:
+                return message
+            if self.collective is not None and kind_name(header.kind) != self.collective:
                 return message
             index = seen[0]
             seen[0] += 1

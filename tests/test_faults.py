@@ -119,7 +119,10 @@ def test_failed_ddp_sync_leaves_grad_untouched() -> None:
     models[1].load_state_dict(models[0].state_dict())
     with ThreadPoolExecutor(2) as pool:
         ddps = list(
-            pool.map(lambda a: fg.DDP(a[0], a[1], bucket_size_bytes=1024), zip(models, (b0, b1)))
+            pool.map(
+                lambda a: fg.DDP(a[0], a[1], bucket_size_bytes=1024),
+                zip(models, (b0, b1), strict=True),
+            )
         )
     x = torch.randn(6, 8)
     # One good step on both ranks.
