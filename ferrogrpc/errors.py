@@ -37,6 +37,9 @@ class FerroGrpcError(Exception):
         self.op = op
         self.seq = seq
         self.step = step
+        # True when this error may be the echo of a failure another rank
+        # found (a stream it failed on purpose), whose report may follow.
+        self.echo = False
 
     def prefix(self) -> str:
         parts: list[str] = []

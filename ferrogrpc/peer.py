@@ -4,6 +4,7 @@ streams to the collective that waits for them, and runs the collectives."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import logging
@@ -32,6 +33,10 @@ from .transport import GrpcTransport, InStream, StreamHandler, Transport
 from .v1 import collective_pb2 as pb
 
 logger = logging.getLogger("ferrogrpc")
+
+# How long a rank whose write failed ambiguously waits for another rank's
+# report of the cause before reporting the failed write itself.
+ECHO_GRACE_S = 1.0
 
 # Streams for collectives this rank has not reached yet wait in mailboxes; a
 # sender can run ahead, but not without bound.
@@ -120,6 +125,7 @@ class Peer(StreamHandler):
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
         self._rendezvous: object | None = None
+        self._broken_event = asyncio.Event()
         # This rank's session nonce and everyone's, from the rendezvous. Empty
         # nonces (a Peer built by hand) disable the check.
         self.nonce = ""
@@ -259,7 +265,9 @@ class Peer(StreamHandler):
         if exc.rank is not None:
             return exc
         culprit = exc.peer if exc.peer is not None else peer
-        return self.error(type(exc), exc.message, op=op, seq=seq, peer=culprit)
+        err = self.error(type(exc), exc.message, op=op, seq=seq, peer=culprit)
+        err.echo = exc.echo
+        return err
 
     def _check_open(self) -> None:
         if self._closed:
@@ -375,6 +383,7 @@ class Peer(StreamHandler):
         first = self._broken is None
         if first:
             self._broken = err
+            self._broken_event.set()
         for op in list(self._ops.values()):
             if op.error is None and op.task is not None and not op.task.done():
                 op.error = err
@@ -472,6 +481,11 @@ class Peer(StreamHandler):
 
     async def _failed(self, job: Job, exc: FerroGrpcError) -> FerroGrpcError:
         """Decide what a failed collective raises, and tell the other ranks."""
+        if exc.echo and self._broken is None:
+            # Give the other rank's report of the real cause a moment to land.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(ECHO_GRACE_S):
+                    await self._broken_event.wait()
         err = self.contextualize(exc, job.name, job.seq, None)
         if self._broken is not None:
             broken = self._broken

@@ -107,11 +107,16 @@ def _peer_error(exc: BaseException, dst: int, address: str, what: str) -> FerroG
             )
         if code == grpc.StatusCode.ABORTED:
             return PeerError(details, peer=dst, peer_address=address)
-        return PeerError(
+        err = PeerError(
             f"{what}: rank {dst} at {address} failed ({code.name}: {details})",
             peer=dst,
             peer_address=address,
         )
+        # grpc reports a write that raced with the receiver failing the stream
+        # as a local INTERNAL error, and hides the receiver's status; the
+        # receiver's abort message is then the better account of the cause.
+        err.echo = code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED)
+        return err
     return PeerError(f"{what}: rank {dst} at {address}: {exc!r}", peer=dst, peer_address=address)
 
 
