@@ -22,7 +22,8 @@ import torch
 from . import schedule, wire
 from .errors import CollectiveTimeoutError, FerroGrpcError, PeerError, ProtocolError
 from .ops import ReduceOp, kind_name, wire_dtype_name, wire_op_name
-from .schedule import COPY, REDUCE_LAST, LanePlan
+from .schedule import COPY, REDUCE, REDUCE_LAST, LanePlan
+from .staging import Stage
 from .transport import InStream, OutStream
 from .v1 import collective_pb2 as pb
 
@@ -96,6 +97,8 @@ class Job:
     # element offset of that segment in ``buffer``.
     out: torch.Tensor | None = None
     out_offset: int = 0
+    # Device staging (see staging.py), or None for host tensors.
+    stage: Stage | None = None
 
     @property
     def kind(self) -> int:
@@ -211,12 +214,15 @@ class LaneRunner:
         header.ClearField("descriptor")
         flat = self.job.buffer
         checksum = peer.checksum
+        stage = self.job.stage
         for item in self.plan.sends:
             if item.after > self.received.value:
                 await self.received.wait_for(item.after)
             if item.from_recv >= 0 and not self.in_place:
                 data = self.scratch.pop(item.from_recv)
             else:
+                if stage is not None:
+                    await stage.ready(item.lo, item.hi)
                 data = flat[item.lo : item.hi]
             payload = _bytes_view(data)
             header.step = item.step
@@ -304,6 +310,7 @@ class LaneRunner:
         itemsize = self.itemsize
         reduce = _REDUCERS[job.op]
         mean = job.op is ReduceOp.MEAN
+        stage = job.stage
         checksum = peer.checksum
         for index, item in enumerate(self.plan.recvs):
             message = await self._read(stream, f"chunk {item.chunk} of step {item.step}")
@@ -349,6 +356,8 @@ class LaneRunner:
                     "flight; it was discarded",
                     self.left,
                 )
+            if stage is not None:
+                await stage.ready(item.lo, item.hi)
             if nbytes:
                 incoming = torch.frombuffer(payload, dtype=dtype)
                 if item.action == COPY:
@@ -374,6 +383,8 @@ class LaneRunner:
                     reduce(flat[item.lo : item.hi], incoming, self.scratch[index])
             elif not self.in_place and item.action != COPY and item.action != REDUCE_LAST:
                 self.scratch[index] = flat[item.lo : item.hi]
+            if stage is not None and item.action != REDUCE:
+                stage.final(item.lo, item.hi)
             peer.stats.bytes_received += nbytes
             self.received.advance()
         tail = await self._read(stream, "the end of the stream")

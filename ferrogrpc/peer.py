@@ -29,6 +29,7 @@ from .errors import (
 from .ops import DTYPE_TO_WIRE, OP_TO_WIRE, SUPPORTED_DTYPES, ReduceOp
 from .options import ChunkPolicy, Timeouts, TLSConfig
 from .rendezvous import Rendezvous
+from .staging import Copier, CudaCopier, PinnedPool, Stage, host_view
 from .transport import GrpcTransport, InStream, StreamHandler, Transport
 from .v1 import collective_pb2 as pb
 
@@ -132,6 +133,10 @@ class Peer(StreamHandler):
         self._nonces: list[str] = []
         # Sequence numbers handed out whose collective has not finished yet.
         self._pending: set[int] = set()
+        # Device staging: pinned buffers, and (for tests) a copier that
+        # stages even CPU tensors.
+        self._pool: PinnedPool | None = None
+        self._copier_factory: Callable[[torch.Tensor], Copier] | None = None
         self.log = logging.LoggerAdapter(logger, {"rank": rank})
 
     # ---------------------------------------------------------------- setup
@@ -452,6 +457,8 @@ class Peer(StreamHandler):
         try:
             async with asyncio.timeout(self.timeouts.collective) as deadline:
                 await op.task
+                if job.stage is not None:
+                    await job.stage.finish()
         except asyncio.CancelledError:
             if op.error is not None:
                 raise op.error from None
@@ -475,6 +482,8 @@ class Peer(StreamHandler):
             )
             raise await self._failed(job, err) from group
         finally:
+            if job.stage is not None and not job.stage.finished:
+                await job.stage.abandon()
             self._ops.pop(job.seq, None)
             self._pending.discard(job.seq)
             self.stats.collectives += 1
@@ -560,7 +569,10 @@ class Peer(StreamHandler):
         self._check_root(root, "broadcast")
         self._check_open()
         return self._in_place(
-            tensor, lambda flat: self._job(pb.BROADCAST, "broadcast", flat, root=root)
+            tensor,
+            lambda flat: self._job(pb.BROADCAST, "broadcast", flat, root=root),
+            load=self.rank == root,
+            store=self.rank != root,
         )
 
     def _check_root(self, root: object, name: str) -> None:
@@ -570,8 +582,20 @@ class Peer(StreamHandler):
             )
 
     def _in_place(
-        self, tensor: torch.Tensor, make: Callable[[torch.Tensor], Job]
+        self,
+        tensor: torch.Tensor,
+        make: Callable[[torch.Tensor], Job],
+        *,
+        load: bool = True,
+        store: bool = True,
+        prefill: Callable[[Stage, torch.Tensor], None] | None = None,
     ) -> Coroutine[Any, Any, torch.Tensor]:
+        """Run ``make(flat)``'s job over ``tensor`` in place. Device tensors
+        are staged through a pinned host buffer (see staging.py): ``load``
+        says whether the ring needs the tensor's contents, ``store`` whether
+        the result is written back."""
+        if self.world_size > 1 and self._staged(tensor):
+            return self._in_place_staged(tensor, make, load, store, prefill)
         staged, flat = _stage(tensor)
         job = make(flat)
 
@@ -581,6 +605,65 @@ class Peer(StreamHandler):
             else:
                 self._check_open()
             _unstage(tensor, staged)
+            return tensor
+
+        return run()
+
+    def _staged(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type != "cpu" or self._copier_factory is not None
+
+    def _copier(self, tensor: torch.Tensor) -> Copier:
+        if self._copier_factory is not None:
+            return self._copier_factory(tensor)
+        if tensor.device.type != "cuda":
+            raise self.error(
+                ConfigError, f"tensors on {tensor.device.type} are not supported; use cpu or cuda"
+            )
+        return CudaCopier(tensor.device)
+
+    @property
+    def _pinned(self) -> PinnedPool:
+        if self._pool is None:
+            self._pool = PinnedPool(pin=torch.cuda.is_available())
+        return self._pool
+
+    def _in_place_staged(
+        self,
+        tensor: torch.Tensor,
+        make: Callable[[torch.Tensor], Job],
+        load: bool,
+        store: bool,
+        prefill: Callable[[Stage, torch.Tensor], None] | None,
+    ) -> Coroutine[Any, Any, torch.Tensor]:
+        work = tensor.detach()
+        if not work.is_contiguous():
+            work = work.contiguous()
+        device_flat = work.view(-1)
+        raw = self._pinned.acquire(work.numel() * work.element_size())
+        host = host_view(raw, work.dtype, work.numel())
+        job = make(host)
+        copier = self._copier(tensor)
+        stage = Stage(
+            copier,
+            self._pinned,
+            host,
+            load=device_flat if load else None,
+            load_at=0,
+            store=device_flat if store else None,
+            result=host,
+            store_at=0,
+            chunk_elems=job.descriptor.chunk_elems,
+            release=[raw],
+        )
+        if prefill is not None:
+            prefill(stage, device_flat)
+        job.stage = stage
+        copy_back = work is not tensor.detach() and work.data_ptr() != tensor.data_ptr()
+
+        async def run() -> torch.Tensor:
+            await self._execute(job)
+            if copy_back:
+                copier.then(lambda: tensor.detach().copy_(work))
             return tensor
 
         return run()
@@ -621,6 +704,22 @@ class Peer(StreamHandler):
         self._check_open()
         m = tensor.numel()
         r = self.rank
+
+        if self.world_size > 1 and self._staged(out):
+            source = tensor.detach().reshape(-1)
+
+            def prefill(stage: Stage, device_out: torch.Tensor) -> None:
+                # Only this rank's block is loaded; it is also copied into the
+                # device result directly.
+                stage.load_range(source, r * m)
+                stage.copier.copy(device_out[r * m : (r + 1) * m], source)
+
+            return self._in_place(
+                out,
+                lambda flat: self._job(pb.ALL_GATHER, "all_gather", flat),
+                load=False,
+                prefill=prefill,
+            )
 
         def make(flat: torch.Tensor) -> Job:
             flat[r * m : (r + 1) * m].copy_(tensor.reshape(-1))
@@ -663,6 +762,8 @@ class Peer(StreamHandler):
         self, out: torch.Tensor, tensor: torch.Tensor, op: ReduceOp, offset: int, name: str
     ) -> Coroutine[Any, Any, torch.Tensor]:
         self._check_open()
+        if self.world_size > 1 and (self._staged(tensor) or self._staged(out)):
+            return self._reduce_scatter_staged(out, tensor, op, offset, name)
         source = _host_contiguous(tensor).reshape(-1)
         staged_out, flat_out = _stage(out)
         job = self._job(pb.REDUCE_SCATTER, name, source, op, out=flat_out, out_offset=offset)
@@ -674,6 +775,44 @@ class Peer(StreamHandler):
                 self._check_open()
                 flat_out.copy_(source)
             _unstage(out, staged_out)
+            return out
+
+        return run()
+
+    def _reduce_scatter_staged(
+        self, out: torch.Tensor, tensor: torch.Tensor, op: ReduceOp, offset: int, name: str
+    ) -> Coroutine[Any, Any, torch.Tensor]:
+        source = tensor.detach().reshape(-1)
+        if not source.is_contiguous():
+            source = source.contiguous()
+        work = out.detach()
+        if not work.is_contiguous():
+            work = work.contiguous()
+        pool = self._pinned
+        raw_in = pool.acquire(source.numel() * source.element_size())
+        raw_out = pool.acquire(work.numel() * work.element_size())
+        host_in = host_view(raw_in, source.dtype, source.numel())
+        host_out = host_view(raw_out, work.dtype, work.numel())
+        job = self._job(pb.REDUCE_SCATTER, name, host_in, op, out=host_out, out_offset=offset)
+        copier = self._copier(tensor)
+        job.stage = Stage(
+            copier,
+            pool,
+            host_in,
+            load=source,
+            load_at=0,
+            store=work.view(-1),
+            result=host_out,
+            store_at=offset,
+            chunk_elems=job.descriptor.chunk_elems,
+            release=[raw_in, raw_out],
+        )
+        copy_back = work.data_ptr() != out.data_ptr()
+
+        async def run() -> torch.Tensor:
+            await self._execute(job)
+            if copy_back:
+                copier.then(lambda: out.detach().copy_(work))
             return out
 
         return run()
