@@ -12,6 +12,7 @@ and both values.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import warnings
 from collections.abc import Callable
@@ -80,6 +81,7 @@ _DESCRIPTOR_FIELDS = (
     ("world_size", str),
     ("lanes", str),
     ("chunk_elems", str),
+    ("checksum", lambda code: pb.ChecksumKind.Name(code).removeprefix("CHECKSUM_").lower()),
 )
 
 
@@ -412,10 +414,12 @@ _silence_readonly_warning()
 
 
 def _bytes_view(data: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous 1-D CPU tensor."""
-    if data.numel() == 0:
+    """A zero-copy byte view of a contiguous 1-D CPU tensor (valid while the
+    tensor lives; it is consumed at once by the encoder's single copy)."""
+    nbytes = data.numel() * data.element_size()
+    if nbytes == 0:
         return memoryview(b"")
-    return memoryview(data.view(torch.uint8).numpy())  # type: ignore[arg-type]
+    return memoryview((ctypes.c_char * nbytes).from_address(data.data_ptr())).cast("B")
 
 
 def build_plans(job: Job, rank: int, world: int, policy_lanes: int, root: int) -> list[LanePlan]:

@@ -26,6 +26,7 @@ from .errors import (
     PeerError,
     ProtocolError,
 )
+from .integrity import checksum_kind
 from .ops import DTYPE_TO_WIRE, OP_TO_WIRE, SUPPORTED_DTYPES, ReduceOp
 from .options import ChunkPolicy, Timeouts, TLSConfig
 from .rendezvous import Rendezvous
@@ -168,10 +169,10 @@ class Peer(StreamHandler):
         authentication) secure the default gRPC transport. ``checksum``
         (default on: CRC32C) guards every chunk; all ranks must agree.
         """
-        from .integrity import crc32c
+        from .integrity import default_checksum
 
         if checksum is True:
-            checksum = crc32c
+            checksum = default_checksum()
         elif checksum is False:
             checksum = None
         from ._malloc import tune_allocator
@@ -442,6 +443,7 @@ class Peer(StreamHandler):
             world_size=self.world_size,
             lanes=lanes,
             chunk_elems=schedule.chunk_elems_for(policy.chunk_bytes, buffer.element_size()),
+            checksum=checksum_kind(self.checksum),  # type: ignore[arg-type]
         )
         return Job(seq, name, descriptor, buffer, op, out, out_offset)
 

@@ -126,3 +126,16 @@ async def test_bad_arguments_raise_before_sending() -> None:
         await p.close()
         with pytest.raises(fg.ConfigError, match="closed"):
             p.all_reduce(torch.ones(3))
+
+
+async def test_checksum_algorithm_mismatch() -> None:
+    from ferrogrpc.integrity import crc32
+
+    async with fg.testing.local_group(2, timeouts=fg.Timeouts(collective=20, idle=10)) as peers:
+        peers[1].checksum = crc32
+        results = await asyncio.gather(
+            *(p.all_reduce(torch.ones(8)) for p in peers), return_exceptions=True
+        )
+        for res in results:
+            assert isinstance(res, fg.ProtocolError), res
+            assert "checksum=crc32c" in str(res) and "checksum=crc32" in str(res), res

@@ -82,7 +82,10 @@ async def test_staged_collectives_match_the_reference(world: int) -> None:
     async with fg.testing.local_group(world, chunk_policy=policy) as peers:
         logs = _stage_everything(peers)
         for numel in (1, 7, 1000, 4099):
-            inputs = [torch.randn(numel, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+            inputs = [
+                torch.randn(numel, dtype=torch.float64, generator=torch.Generator().manual_seed(r))
+                for r in range(world)
+            ]
             ref = reference_sum(inputs)
             ts = [t.clone() for t in inputs]
             await asyncio.gather(*(p.all_reduce(t) for p, t in zip(peers, ts, strict=True)))
@@ -93,21 +96,32 @@ async def test_staged_collectives_match_the_reference(world: int) -> None:
             for t in ts:
                 torch.testing.assert_close(t, ref / world)
             ts = [t.clone() for t in inputs]
-            await asyncio.gather(*(p.broadcast(t, world - 1) for p, t in zip(peers, ts, strict=True)))
+            await asyncio.gather(
+                *(p.broadcast(t, world - 1) for p, t in zip(peers, ts, strict=True))
+            )
             for t in ts:
                 assert torch.equal(t, inputs[world - 1])
             outs = [torch.full((world * numel,), 7.0, dtype=torch.float64) for _ in range(world)]
-            await asyncio.gather(*(p.all_gather_into_tensor(o, t) for p, o, t in zip(peers, outs, inputs, strict=True)))
+            await asyncio.gather(
+                *(
+                    p.all_gather_into_tensor(o, t)
+                    for p, o, t in zip(peers, outs, inputs, strict=True)
+                )
+            )
             for o in outs:
                 assert torch.equal(o, torch.cat(inputs))
-            parts = await asyncio.gather(*(p.reduce_scatter(t) for p, t in zip(peers, inputs, strict=True)))
+            parts = await asyncio.gather(
+                *(p.reduce_scatter(t) for p, t in zip(peers, inputs, strict=True))
+            )
             for r, part in enumerate(parts):
                 torch.testing.assert_close(part, torch.tensor_split(ref, world)[r])
         # Non-contiguous tensors are staged through a contiguous copy.
         bases = [torch.arange(12.0).reshape(3, 4) * (r + 1) for r in range(world)]
         await asyncio.gather(*(p.all_reduce(b.t()) for p, b in zip(peers, bases, strict=True)))
         for b in bases:
-            torch.testing.assert_close(b, torch.arange(12.0).reshape(3, 4) * sum(range(1, world + 1)))
+            torch.testing.assert_close(
+                b, torch.arange(12.0).reshape(3, 4) * sum(range(1, world + 1))
+            )
         for log in logs:
             assert log.count("begin") == log.count("publish") > 0
 
@@ -118,10 +132,23 @@ async def test_stage_waits_only_for_the_chunks_it_touches() -> None:
     device = torch.arange(10.0)
     raw = NanPool(pin=False).acquire(10 * 4)
     host = host_view(raw, torch.float32, 10)
-    stage = Stage(copier, PinnedPool(pin=False), host, load=device, load_at=0, store=device, result=host, store_at=0, chunk_elems=4, release=[raw])
+    stage = Stage(
+        copier,
+        PinnedPool(pin=False),
+        host,
+        load=device,
+        load_at=0,
+        store=device,
+        result=host,
+        store_at=0,
+        chunk_elems=4,
+        release=[raw],
+    )
     assert copier.completed == 0 and torch.isnan(host).all()
     await stage.ready(0, 3)  # only the first chunk
-    assert copier.completed == 1 and torch.equal(host[:4], device[:4]) and torch.isnan(host[4:]).all()
+    assert (
+        copier.completed == 1 and torch.equal(host[:4], device[:4]) and torch.isnan(host[4:]).all()
+    )
     await stage.ready(5, 6)  # the second chunk, in issue order
     assert copier.completed == 2
     await stage.ready(0, 8)  # nothing new to wait for

@@ -33,6 +33,12 @@ class ReduceOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEAN: _ClassVar[ReduceOp]
     MAX: _ClassVar[ReduceOp]
     MIN: _ClassVar[ReduceOp]
+
+class ChecksumKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHECKSUM_NONE: _ClassVar[ChecksumKind]
+    CHECKSUM_CRC32C: _ClassVar[ChecksumKind]
+    CHECKSUM_CRC32: _ClassVar[ChecksumKind]
 COLLECTIVE_KIND_UNSPECIFIED: CollectiveKind
 ALL_REDUCE: CollectiveKind
 ALL_GATHER: CollectiveKind
@@ -51,9 +57,12 @@ SUM: ReduceOp
 MEAN: ReduceOp
 MAX: ReduceOp
 MIN: ReduceOp
+CHECKSUM_NONE: ChecksumKind
+CHECKSUM_CRC32C: ChecksumKind
+CHECKSUM_CRC32: ChecksumKind
 
 class Descriptor(_message.Message):
-    __slots__ = ("kind", "dtype", "numel", "reduce_op", "root", "world_size", "lanes", "chunk_elems")
+    __slots__ = ("kind", "dtype", "numel", "reduce_op", "root", "world_size", "lanes", "chunk_elems", "checksum")
     KIND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +71,7 @@ class Descriptor(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LANES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_ELEMS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     kind: CollectiveKind
     dtype: DType
     numel: int
@@ -70,7 +80,8 @@ class Descriptor(_message.Message):
     world_size: int
     lanes: int
     chunk_elems: int
-    def __init__(self, kind: _Optional[_Union[CollectiveKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., root: _Optional[int] = ..., world_size: _Optional[int] = ..., lanes: _Optional[int] = ..., chunk_elems: _Optional[int] = ...) -> None: ...
+    checksum: ChecksumKind
+    def __init__(self, kind: _Optional[_Union[CollectiveKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., root: _Optional[int] = ..., world_size: _Optional[int] = ..., lanes: _Optional[int] = ..., chunk_elems: _Optional[int] = ..., checksum: _Optional[_Union[ChecksumKind, str]] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
     __slots__ = ("group", "seq", "kind", "step", "src_rank", "chunk_index", "lane", "offset", "crc32c", "has_crc", "descriptor", "nonce", "abort")
