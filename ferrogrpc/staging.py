@@ -170,6 +170,8 @@ class Stage:
         self._tickets: list[Any] = []
         self._done: list[bool] = []
         copier.begin()
+        if store is not None and store.numel():
+            copier.keep_alive(store)
         if load is not None:
             self.load_range(load, load_at)
 
