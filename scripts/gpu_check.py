@@ -172,7 +172,8 @@ def check_training(backend: Any, device: Any, log: list[str], steps: int) -> int
         ok = diff <= 1e-5 and on_device
         failures += 0 if ok else 1
         log.append(
-            f"{name.upper()} on {device}: max |diff| vs single process {diff:.2e} ({'ok' if ok else 'FAIL'})"
+            f"{name.upper()} on {device}: max |diff| vs single process {diff:.2e} "
+            f"({'ok' if ok else 'FAIL'})"
         )
     return failures
 
@@ -311,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         size = int(row["size"])
         print(
             f"{size // MiB:>5} MiB {row['gloo'] * 1e3:9.2f} {row['gloo_busbw']:6.3f} GB/s "
-            f"{row['ferrogrpc'] * 1e3:9.2f} {row['fg_busbw']:9.3f} {row['fg_busbw'] / row['gloo_busbw']:8.2f}"
+            f"{row['ferrogrpc'] * 1e3:9.2f} {row['fg_busbw']:9.3f} "
+            f"{row['fg_busbw'] / row['gloo_busbw']:8.2f}"
         )
     verdict = "all checks passed" if failures == 0 else f"{failures} check(s) FAILED"
     print(f"gpu_check: {verdict} in {time.monotonic() - started:.0f}s")
