@@ -101,30 +101,45 @@ class ChunkPolicy:
     - ``window``: chunks buffered per stream by the in-memory transport (the
       gRPC transport is bounded by HTTP/2 flow control).
 
-    Every rank must use the same policy; a difference is a ProtocolError.
+    Left as None, chunk size and lanes follow the world size, as measured on
+    the 2-core reference machine (BENCHMARKS.md): at world size 2, 1 MiB
+    chunks on 4 lanes (parallel streams hide per-message latency); beyond,
+    4 MiB chunks on one lane (per-message cost dominates once ranks share
+    cores). Every rank must use the same policy; a difference is a
+    ProtocolError.
     """
 
-    chunk_bytes: int = 1 << 20
-    max_lanes: int = 4
+    chunk_bytes: int | None = None
+    max_lanes: int | None = None
     lane_min_bytes: int = 4 << 20
     window: int = 4
 
     def __post_init__(self) -> None:
-        if self.chunk_bytes < 64 or self.chunk_bytes > (64 << 20):
+        if self.chunk_bytes is not None and not 64 <= self.chunk_bytes <= (64 << 20):
             raise ConfigError(f"chunk_bytes must be in [64, 64 MiB], got {self.chunk_bytes}")
-        if not 1 <= self.max_lanes <= 16:
+        if self.max_lanes is not None and not 1 <= self.max_lanes <= 16:
             raise ConfigError(f"max_lanes must be in [1, 16], got {self.max_lanes}")
         if self.lane_min_bytes < 1:
             raise ConfigError(f"lane_min_bytes must be positive, got {self.lane_min_bytes}")
         if self.window < 1:
             raise ConfigError(f"window must be at least 1, got {self.window}")
 
+    def resolve(self, world_size: int) -> tuple[int, int]:
+        """(chunk_bytes, max_lanes) for a group of ``world_size`` ranks."""
+        small = world_size <= 2
+        chunk = (
+            self.chunk_bytes if self.chunk_bytes is not None else (1 << 20 if small else 4 << 20)
+        )
+        lanes = self.max_lanes if self.max_lanes is not None else (4 if small else 1)
+        return chunk, lanes
+
     @classmethod
     def from_env(cls) -> ChunkPolicy:
-        default = cls()
+        chunk = os.environ.get(CHUNK_BYTES_ENV)
+        lanes = os.environ.get(LANES_ENV)
         return cls(
-            chunk_bytes=_env_int(CHUNK_BYTES_ENV, default.chunk_bytes),
-            max_lanes=_env_int(LANES_ENV, default.max_lanes),
+            chunk_bytes=_env_int(CHUNK_BYTES_ENV, 0) if chunk else None,
+            max_lanes=_env_int(LANES_ENV, 0) if lanes else None,
         )
 
 

@@ -116,6 +116,7 @@ class Peer(StreamHandler):
         self.transport = transport
         self.timeouts = timeouts or Timeouts()
         self.chunk_policy = chunk_policy or ChunkPolicy()
+        self._chunking = self.chunk_policy.resolve(world_size)
         self.checksum = checksum
         self.stats = Stats()
         self.address = ""
@@ -433,7 +434,8 @@ class Peer(StreamHandler):
         seq = self._next_seq()
         nbytes = buffer.numel() * buffer.element_size()
         policy = self.chunk_policy
-        lanes = schedule.lane_count(nbytes, policy.max_lanes, policy.lane_min_bytes)
+        chunk_bytes, max_lanes = self._chunking
+        lanes = schedule.lane_count(nbytes, max_lanes, policy.lane_min_bytes)
         descriptor = pb.Descriptor(
             kind=kind,  # type: ignore[arg-type]
             dtype=DTYPE_TO_WIRE[buffer.dtype],  # type: ignore[arg-type]
@@ -442,7 +444,7 @@ class Peer(StreamHandler):
             root=root,
             world_size=self.world_size,
             lanes=lanes,
-            chunk_elems=schedule.chunk_elems_for(policy.chunk_bytes, buffer.element_size()),
+            chunk_elems=schedule.chunk_elems_for(chunk_bytes, buffer.element_size()),
             checksum=checksum_kind(self.checksum),  # type: ignore[arg-type]
         )
         return Job(seq, name, descriptor, buffer, op, out, out_offset)

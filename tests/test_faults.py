@@ -138,13 +138,15 @@ def test_failed_ddp_sync_leaves_grad_untouched() -> None:
     before = {n: p.grad.clone() for n, p in models[0].named_parameters() if p.grad is not None}
     b1.close()
     start = time.monotonic()
-    with pytest.raises(fg.PeerError) as info:
+    # Rank 1's server is gone: its stream refused (PeerError) or never coming
+    # (CollectiveTimeoutError after the idle timeout), depending on timing.
+    with pytest.raises((fg.PeerError, fg.CollectiveTimeoutError)) as info:
         ddps[0].sync_gradients()
     print(f"sync failed after {time.monotonic() - start:.3f}s: {info.value}")
     assert info.value.peer == 1
     for name, p in models[0].named_parameters():
         assert p.grad is not None and torch.equal(p.grad, before[name]), name
-    with pytest.raises(fg.PeerError, match="broken by an earlier failure"):
+    with pytest.raises(type(info.value), match="broken by an earlier failure"):
         b0.all_reduce(torch.ones(3))
     b0.close()
     b0.close()  # idempotent

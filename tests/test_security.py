@@ -136,7 +136,7 @@ async def test_rogue_neighbour_during_a_collective_changes_nothing() -> None:
             reduce_op=pb.SUM,
             world_size=3,
             lanes=1,
-            chunk_elems=fg.ChunkPolicy().chunk_bytes // 4,
+            chunk_elems=fg.ChunkPolicy().resolve(3)[0] // 4,
         )
         garbage = torch.full((n // 3 + 1,), 1e6).numpy().tobytes()
         # Ranks 1 and 2 start; rank 0 (rank 1's left neighbour) is late, and a

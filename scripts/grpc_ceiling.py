@@ -1,0 +1,111 @@
+"""The gRPC ceiling on this machine: raw bytes streamed around a ring of
+processes with grpc.aio, no tensors, no framing, no checks. What ferrogrpc's
+all_reduce could reach if all of its own work were free.
+
+    python scripts/grpc_ceiling.py --world-size 4 --mib 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import grpc.aio
+
+OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+
+
+async def rank_main(rank: int, world: int, base: int, count: int, size: int) -> float:
+    from ferrogrpc._malloc import tune_allocator
+
+    tune_allocator()  # the same allocator settings ferrogrpc runs with
+    done = asyncio.Event()
+
+    async def handler(requests: object, context: object) -> bytes:
+        async for _ in requests:  # type: ignore[attr-defined]
+            pass
+        done.set()
+        return b""
+
+    server = grpc.aio.server(options=OPTIONS)
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "ring", {"S": grpc.stream_unary_rpc_method_handler(handler)}
+            ),
+        )
+    )
+    server.add_insecure_port(f"127.0.0.1:{base + rank}")
+    await server.start()
+    await asyncio.sleep(1.0)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{base + (rank + 1) % world}", options=OPTIONS)
+    call = channel.stream_unary("/ring/S", request_serializer=bytes, response_deserializer=bytes)()
+    message = os.urandom(size)
+    start = time.perf_counter()
+    for _ in range(count):
+        await call.write(message)
+    await call.done_writing()
+    await call
+    await done.wait()
+    elapsed = time.perf_counter() - start
+    await channel.close()
+    await server.stop(0)
+    return count * size / elapsed / 1e9
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--mib", type=int, default=200, help="MiB each rank sends")
+    parser.add_argument("--chunk-kib", type=int, default=1024)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--base", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    size = args.chunk_kib * 1024
+    count = args.mib * 1024 // args.chunk_kib
+    if args.rank is not None:
+        gbps = asyncio.run(rank_main(args.rank, args.world_size, args.base, count, size))
+        print(f"{gbps:.3f}", flush=True)
+        return 0
+    import random
+
+    base = random.randint(20000, 40000)
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--world-size",
+                str(args.world_size),
+                "--mib",
+                str(args.mib),
+                "--chunk-kib",
+                str(args.chunk_kib),
+                "--rank",
+                str(r),
+                "--base",
+                str(base),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for r in range(args.world_size)
+    ]
+    rates = [float(p.communicate()[0].strip()) for p in procs]
+    print(
+        f"raw grpc.aio ring, world {args.world_size}, {args.chunk_kib} KiB messages: "
+        f"{min(rates):.3f}-{max(rates):.3f} GB/s each way per rank"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
