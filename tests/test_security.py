@@ -71,6 +71,7 @@ async def test_corrupted_chunk_is_named_and_reaches_no_tensor() -> None:
     async with fg.testing.local_group(
         3,
         timeouts=FAST,
+        chunk_policy=fg.ChunkPolicy(chunk_bytes=256 << 10),
         faults=[Fault(rank=1, kind=FaultKind.CORRUPT_PAYLOAD, nth=2, collective="broadcast")],
     ) as peers:
         tensors = [torch.zeros(1 << 20) for _ in range(3)]
