@@ -137,6 +137,9 @@ class LaneRunner:
         self.in_place = job.out is None
         # The outgoing stream, until it has been closed cleanly.
         self.out: OutStream | None = None
+        # Verified checksums of chunks received by copy, by receive index: a
+        # chunk forwarded unchanged needs no second pass over its bytes.
+        self.recv_crc: dict[int, int] = {}
 
     def _error(self, cls: type[FerroGrpcError], message: str, peer: int | None) -> FerroGrpcError:
         return self.peer.error(cls, message, op=self.job.name, seq=self.job.seq, peer=peer)
@@ -231,7 +234,8 @@ class LaneRunner:
             header.chunk_index = item.chunk
             header.offset = item.lo
             if checksum is not None:
-                header.crc32c = checksum(payload)
+                known = self.recv_crc.pop(item.from_recv, None) if item.from_recv >= 0 else None
+                header.crc32c = checksum(payload) if known is None else known
                 header.has_crc = True
             await self._write(stream, wire.encode(header, payload), item.step)
             peer.stats.bytes_sent += payload.nbytes
@@ -358,6 +362,8 @@ class LaneRunner:
                     "flight; it was discarded",
                     self.left,
                 )
+            if checksum is not None and item.action == COPY:
+                self.recv_crc[index] = header.crc32c
             if stage is not None:
                 await stage.ready(item.lo, item.hi)
             if nbytes:

@@ -216,7 +216,7 @@ def broadcast_plan(layout: Layout, lane: int, rank: int, root: int, world: int) 
     sends: tuple[SendItem, ...] = ()
     if pos < world - 1:
         sends = tuple(
-            SendItem(0, c, lo, hi, after=(c + 1 if pos else 0), from_recv=-1)
+            SendItem(0, c, lo, hi, after=(c + 1 if pos else 0), from_recv=(c if pos else -1))
             for c, (lo, hi) in enumerate(chunks)
         )
     return LanePlan(sends, recvs)
