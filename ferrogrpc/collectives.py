@@ -298,8 +298,8 @@ class LaneRunner:
             await self._consume(stream)
         except BaseException as exc:
             if not mailbox.done.done():
-                err = exc if isinstance(exc, FerroGrpcError) else PeerError("collective aborted")
-                mailbox.done.set_exception(err)
+                # Fail the left neighbour's stream with the real cause.
+                mailbox.done.set_exception(self._cause(exc))
                 mailbox.done.exception()  # mark retrieved
             raise
         else:
@@ -321,12 +321,15 @@ class LaneRunner:
         for index, item in enumerate(self.plan.recvs):
             message = await self._read(stream, f"chunk {item.chunk} of step {item.step}")
             if message is None:
-                raise self._error(
+                err = self._error(
                     PeerError,
                     f"rank {self.left} ({peer.address_of(self.left)}) ended its stream after "
                     f"{index} of {len(self.plan.recvs)} chunks; it failed or exited",
                     self.left,
                 )
+                # If it is alive and failed for a reason, its report may follow.
+                err.echo = True
+                raise err
             try:
                 header, payload = wire.decode(message)
             except ProtocolError as exc:

@@ -73,6 +73,8 @@ def _victim_address(results: list[dict[str, object]]) -> str:
 @pytest.mark.timeout(90)
 def test_sigkilled_peer_is_named_on_every_rank_within_5s(tmp_path: Path) -> None:
     results, fault_time = _run_fault("kill", tmp_path, {})
+    for r in results:
+        print(f"rank {r['rank']}: {r['type']} peer {r['peer']}: {r['message']}")
     address = _victim_address(results)
     for r in results:
         delay = float(r["time"]) - fault_time  # type: ignore[arg-type]
