@@ -40,6 +40,9 @@ logger = logging.getLogger("ferrogrpc")
 # report of the cause before reporting the failed write itself.
 ECHO_GRACE_S = 1.0
 
+# How long close() waits for abort notices still being delivered.
+ABORT_DELIVERY_S = 2.0
+
 # Streams for collectives this rank has not reached yet wait in mailboxes; a
 # sender can run ahead, but not without bound.
 MAX_UNCLAIMED_STREAMS = 4096
@@ -852,6 +855,10 @@ class Peer(StreamHandler):
             if op.error is None and op.task is not None and not op.task.done():
                 op.error = err
                 op.task.cancel()
+        if self._background:
+            # Abort notices still in flight carry the cause of a failure to the
+            # other ranks: let them land before the connections go.
+            await asyncio.wait(list(self._background), timeout=ABORT_DELIVERY_S)
         for task in list(self._background):
             task.cancel()
         await self.transport.close()
