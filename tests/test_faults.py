@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -71,14 +72,16 @@ def _victim_address(results: list[dict[str, object]]) -> str:
 
 
 @pytest.mark.timeout(90)
-def test_sigkilled_peer_is_named_on_every_rank_within_5s(tmp_path: Path) -> None:
+def test_sigkilled_peer_is_named_on_every_rank_within_5s(
+    tmp_path: Path, report: Callable[[str], None]
+) -> None:
     results, fault_time = _run_fault("kill", tmp_path, {})
     for r in results:
         print(f"rank {r['rank']}: {r['type']} peer {r['peer']}: {r['message']}")
     address = _victim_address(results)
     for r in results:
         delay = float(r["time"]) - fault_time  # type: ignore[arg-type]
-        print(f"rank {r['rank']}: {r['type']} after {delay:.3f}s: {r['message']}")
+        report(f"SIGKILL of rank {VICTIM}: rank {r['rank']} raised {r['type']} after {delay:.3f}s")
         assert r["type"] == "PeerError", r
         assert r["peer"] == VICTIM, r
         assert f"rank {VICTIM}" in str(r["message"]) and address in str(r["message"]), r
@@ -91,11 +94,14 @@ def test_sigkilled_peer_is_named_on_every_rank_within_5s(tmp_path: Path) -> None
 
 
 @pytest.mark.timeout(90)
-def test_sigstopped_peer_times_out_naming_it(tmp_path: Path) -> None:
+def test_sigstopped_peer_times_out_naming_it(tmp_path: Path, report: Callable[[str], None]) -> None:
     results, fault_time = _run_fault("stop", tmp_path, {"FAULT_IDLE": "2"})
     for r in results:
         delay = float(r["time"]) - fault_time  # type: ignore[arg-type]
-        print(f"rank {r['rank']}: {r['type']} after {delay:.3f}s: {r['message']}")
+        report(
+            f"SIGSTOP of rank {VICTIM} (idle timeout 2s): rank {r['rank']} raised {r['type']} "
+            f"after {delay:.3f}s"
+        )
         assert r["type"] == "CollectiveTimeoutError", r
         assert r["peer"] == VICTIM, r
         assert 1.5 < delay < 10.0, delay
@@ -114,7 +120,7 @@ def _pair(**kw: object) -> tuple[fg.Backend, fg.Backend]:
 
 
 @pytest.mark.timeout(60)
-def test_failed_ddp_sync_leaves_grad_untouched() -> None:
+def test_failed_ddp_sync_leaves_grad_untouched(report: Callable[[str], None]) -> None:
     b0, b1 = _pair()
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4)) for _ in range(2)]
@@ -144,7 +150,7 @@ def test_failed_ddp_sync_leaves_grad_untouched() -> None:
     # (CollectiveTimeoutError after the idle timeout), depending on timing.
     with pytest.raises((fg.PeerError, fg.CollectiveTimeoutError)) as info:
         ddps[0].sync_gradients()
-    print(f"sync failed after {time.monotonic() - start:.3f}s: {info.value}")
+    report(f"DDP sync with rank 1 gone failed after {time.monotonic() - start:.3f}s")
     assert info.value.peer == 1
     for name, p in models[0].named_parameters():
         assert p.grad is not None and torch.equal(p.grad, before[name]), name
@@ -159,7 +165,7 @@ def _fds() -> int:
 
 
 @pytest.mark.timeout(90)
-def test_init_close_cycles_leak_no_threads_or_sockets() -> None:
+def test_init_close_cycles_leak_no_threads_or_sockets(report: Callable[[str], None]) -> None:
     def cycle() -> None:
         b0, b1 = _pair()
         ts = [torch.ones(1000), torch.ones(1000)]
@@ -175,6 +181,9 @@ def test_init_close_cycles_leak_no_threads_or_sockets() -> None:
     for _ in range(3):
         cycle()
     time.sleep(0.5)
-    print(f"threads {threads} -> {threading.active_count()}, fds {fds} -> {_fds()}")
+    report(
+        f"3 init/close cycles: threads {threads} -> {threading.active_count()}, "
+        f"fds {fds} -> {_fds()}"
+    )
     assert threading.active_count() <= threads
     assert _fds() <= fds + 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -47,7 +48,9 @@ async def _round(peers: list[fg.Peer], i: int) -> None:
 
 
 @pytest.mark.timeout(180)
-async def test_two_thousand_collectives_and_sixty_four_in_flight() -> None:
+async def test_two_thousand_collectives_and_sixty_four_in_flight(
+    report: Callable[[str], None],
+) -> None:
     async with fg.testing.local_group(4) as peers:
         for i in range(200):  # warm up: connections, allocator, caches
             await _round(peers, i)
@@ -64,7 +67,7 @@ async def test_two_thousand_collectives_and_sixty_four_in_flight() -> None:
             for r in range(4):
                 assert bool(inputs[r][k].eq(expected).all()), (r, k)
         rss1, fds1 = _rss(), _fds()
-        print(
+        report(
             f"load: 1800 collectives in {serial:.2f}s ({serial / 1800 * 1e3:.2f} ms each, 4 ranks "
             f"in one loop); RSS {rss0 >> 20} -> {rss1 >> 20} MiB, fds {fds0} -> {fds1}"
         )

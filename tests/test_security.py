@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import grpc.aio
@@ -67,7 +67,9 @@ def _chunk(
     return wire.encode(header, payload)
 
 
-async def test_corrupted_chunk_is_named_and_reaches_no_tensor() -> None:
+async def test_corrupted_chunk_is_named_and_reaches_no_tensor(
+    report: Callable[[str], None],
+) -> None:
     async with fg.testing.local_group(
         3,
         timeouts=FAST,
@@ -87,7 +89,7 @@ async def test_corrupted_chunk_is_named_and_reaches_no_tensor() -> None:
         assert "CRC32C" in str(detected) and "rank 1" in str(detected), detected
         # Rank 2 holds only values that were really sent (1.0) or untouched (0.0).
         assert set(torch.unique(tensors[2]).tolist()) <= {0.0, 1.0}
-        print(f"corruption: {detected}")
+        report(f"corrupted chunk detected: {detected}")
 
 
 async def test_checksum_off_is_switchable() -> None:
