@@ -50,10 +50,21 @@ class Coordinator:
     starts a new round (a restarted job) with a new run_id.
     """
 
-    def __init__(self, world_size: int) -> None:
-        if world_size < 1:
-            raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    def __init__(self, world_size: int, *, min_ranks: int = 1, join_window: float = 5.0) -> None:
+        if world_size < 0:
+            raise ConfigError(
+                f"world_size must be >= 0 (0: decided by who joins), got {world_size}"
+            )
+        if min_ranks < 1 or join_window <= 0:
+            raise ConfigError("min_ranks must be >= 1 and join_window > 0")
+        # 0 = elastic: the group is released once at least min_ranks peers
+        # have joined and join_window seconds pass without another joining,
+        # so `docker compose up --scale rank=N` works for any N.
+        self.fixed_world_size = world_size
         self.world_size = world_size
+        self.min_ranks = min_ranks
+        self.join_window = join_window
+        self._release_timer: asyncio.TimerHandle | None = None
         self._members: dict[int, _Member] = {}
         self._complete = asyncio.Event()
         self.run_id = uuid.uuid4().hex[:12]
@@ -66,7 +77,14 @@ class Coordinator:
     def _table(self) -> list[str]:
         return [self._members[r].address for r in range(self.world_size)]
 
+    def _release(self) -> None:
+        self._release_timer = None
+        self.world_size = len(self._members)
+        logger.info("releasing %d ranks (no new peer for %gs)", self.world_size, self.join_window)
+        self._complete.set()
+
     def _new_round(self) -> None:
+        self.world_size = self.fixed_world_size
         self._members.clear()
         self._complete = asyncio.Event()
         self.run_id = uuid.uuid4().hex[:12]
@@ -82,14 +100,21 @@ class Coordinator:
             if self._complete.is_set():
                 self._new_round()
             taken = set(self._members)
+            elastic = self.fixed_world_size == 0
             if request.requested_rank >= 0:
-                if request.requested_rank >= self.world_size or request.requested_rank in taken:
+                if (
+                    elastic
+                    or request.requested_rank >= self.world_size
+                    or request.requested_rank in taken
+                ):
                     await context.abort(
                         grpc.StatusCode.FAILED_PRECONDITION,
                         f"rank {request.requested_rank} is taken or outside world_size "
                         f"{self.world_size}",
                     )
                 rank = request.requested_rank
+            elif elastic:
+                rank = len(self._members)
             else:
                 rank = min(set(range(self.world_size)) - taken)
             member = _Member(rank, request.address, request.peer_id, request.nonce, time.time())
@@ -101,7 +126,15 @@ class Coordinator:
                 len(self._members),
                 self.world_size,
             )
-            if len(self._members) == self.world_size:
+            if elastic:
+                if self._release_timer is not None:
+                    self._release_timer.cancel()
+                    self._release_timer = None
+                if len(self._members) >= self.min_ranks:
+                    self._release_timer = asyncio.get_running_loop().call_later(
+                        self.join_window, self._release
+                    )
+            elif len(self._members) == self.world_size:
                 self._complete.set()
         complete = self._complete
         await complete.wait()

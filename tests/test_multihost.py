@@ -105,7 +105,8 @@ def test_compose_services_train_across_network_namespaces() -> None:
     services = compose["services"]
     assert set(services) >= {"coordinator", "rank"}
     assert services["rank"]["deploy"]["replicas"] >= RANKS
-    host_env = {"FERROGRPC_WORLD_SIZE": str(RANKS), "FERROGRPC_STEPS": "8"}
+    # The compose defaults: the coordinator sizes the group by who joins.
+    host_env = {"FERROGRPC_JOIN_WINDOW": "2", "FERROGRPC_STEPS": "8"}
     coord_cmd, coord_env = _service(services["coordinator"], host_env)
     rank_cmd, rank_env = _service(services["rank"], host_env)
     assert rank_env["FERROGRPC_COORDINATOR"].startswith("coordinator:")
