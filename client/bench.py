@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -20,6 +19,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from ferrogrpc.launch import free_port, spawn_ranks
 
 MiB = 1 << 20
 NO_CRC = "ferrogrpc-nocrc"
@@ -32,12 +33,6 @@ def parse_size(text: str) -> int:
     if text and text[-1] in units:
         return int(float(text[:-1]) * units[text[-1]])
     return int(text)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _rss_bytes() -> int:
@@ -144,43 +139,24 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_world(world: int, args: argparse.Namespace) -> list[Any]:
-    master_port = free_port()
-    gloo_port = free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(master_port),
-            OMP_NUM_THREADS="1",
-        )
-        cmd = [
-            sys.executable,
-            "-m",
-            "client.bench",
-            "--worker",
-            "--gloo-port",
-            str(gloo_port),
-            "--iters",
-            str(args.iters),
-            "--warmup",
-            str(args.warmup),
-            "--sizes",
-            *[str(s) for s in args.sizes],
-        ]
-        if args.no_checksum:
-            cmd.append("--no-checksum")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
-    outputs = [p.communicate(timeout=args.timeout)[0] for p in procs]
+    cmd = [sys.executable, "-m", "client.bench", "--worker", "--gloo-port", str(free_port())]
+    cmd += ["--iters", str(args.iters), "--warmup", str(args.warmup)]
+    cmd += ["--sizes", *[str(s) for s in args.sizes]]
+    if args.no_checksum:
+        cmd.append("--no-checksum")
+    return list(collect(spawn_ranks(world, cmd, OMP_NUM_THREADS="1"), args.timeout, "bench"))
+
+
+def collect(procs: list[subprocess.Popen[str]], timeout: float, what: str) -> Any:
+    """Wait for every rank; return the JSON that rank 0 printed after RESULT."""
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
     for rank, p in enumerate(procs):
         if p.returncode != 0:
-            raise SystemExit(f"bench rank {rank} exited with {p.returncode}")
+            raise SystemExit(f"{what} rank {rank} exited with {p.returncode}")
     for line in outputs[0].splitlines():
         if line.startswith("RESULT "):
-            return list(json.loads(line[len("RESULT ") :]))
-    raise SystemExit("rank 0 printed no result")
+            return json.loads(line[len("RESULT ") :])
+    raise SystemExit(f"{what}: rank 0 printed no result")
 
 
 def fmt_size(n: int) -> str:

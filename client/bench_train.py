@@ -15,12 +15,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
-from client.bench import free_port
+from client.bench import collect
+from ferrogrpc.launch import free_port, spawn_ranks
 
 
 def build_model(width: int, depth: int) -> Any:
@@ -120,41 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    port, gloo_port = free_port(), free_port()
-    procs = []
-    for rank in range(args.world_size):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(args.world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-        )
-        cmd = [
-            sys.executable,
-            "-m",
-            "client.bench_train",
-            "--worker",
-            "--gloo-port",
-            str(gloo_port),
-        ]
-        cmd += ["--wrapper", args.wrapper, "--width", str(args.width), "--depth", str(args.depth)]
-        cmd += [
-            "--batch",
-            str(args.batch),
-            "--steps",
-            str(args.steps),
-            "--warmup",
-            str(args.warmup),
-        ]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=1800)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        print("a benchmark rank failed", file=sys.stderr)
-        return 1
-    line = next(line for line in outs[0].splitlines() if line.startswith("RESULT "))
-    data = json.loads(line[len("RESULT ") :])
+    cmd = [sys.executable, "-m", "client.bench_train", "--worker", "--gloo-port", str(free_port())]
+    cmd += ["--wrapper", args.wrapper, "--width", str(args.width), "--depth", str(args.depth)]
+    cmd += ["--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    data = collect(spawn_ranks(args.world_size, cmd, OMP_NUM_THREADS="1"), 1800, "bench_train")
     ranks = data["ranks"]
     print(
         f"# {args.wrapper.upper()} step time, MLP {data['params'] / 1e6:.1f}M float32 params, "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from client.bench import free_port
+from ferrogrpc.launch import spawn_ranks
 
 MODES = ("ddp", "fsdp")
 TOLERANCE = 1e-6
@@ -173,27 +172,16 @@ def run(args: argparse.Namespace) -> int:
 
     out_png = Path(args.plot).resolve()
     with tempfile.TemporaryDirectory(prefix="ferrogrpc-demo-") as tmp:
-        port = free_port()
+        cmd = [sys.executable, "-m", "client.demo", "--worker", "--out-dir", tmp]
+        cmd += ["--steps", str(args.steps), "--batch", str(args.batch), "--lr", str(args.lr)]
+        cmd += ["--hidden", str(args.hidden)]
         print(
             f"ferrogrpc demo: {args.nproc} ranks on this machine, MLP hidden={args.hidden}, "
             f"global batch {args.batch}, {args.steps} steps each of DDP then FSDP "
             f"(Adam, lr {args.lr})",
             flush=True,
         )
-        procs = []
-        for rank in range(args.nproc):
-            env = dict(
-                os.environ,
-                RANK=str(rank),
-                WORLD_SIZE=str(args.nproc),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                OMP_NUM_THREADS="1",
-            )
-            cmd = [sys.executable, "-m", "client.demo", "--worker", "--out-dir", tmp]
-            cmd += ["--steps", str(args.steps), "--batch", str(args.batch), "--lr", str(args.lr)]
-            cmd += ["--hidden", str(args.hidden)]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+        procs = spawn_ranks(args.nproc, cmd, OMP_NUM_THREADS="1")
         progress = Progress(args.steps, args.nproc)
         failure: list[str] = []
 

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import FrameType
 
 
@@ -17,6 +17,47 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def rank_env(
+    rank: int,
+    world: int,
+    master_port: int,
+    *,
+    master_addr: str = "127.0.0.1",
+    base: Mapping[str, str] | None = None,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment torchrun gives a local rank (plus ``extra``)."""
+    env = dict(os.environ if base is None else base)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+    )
+    env.update(extra or {})
+    return env
+
+
+def spawn_ranks(
+    world: int, argv: Sequence[str], *, capture: bool = True, **extra: str
+) -> list[subprocess.Popen[str]]:
+    """Start ``world`` local ranks of ``argv`` on a fresh master port, with
+    stdout captured as text when ``capture`` (for programs that collect the
+    ranks' results)."""
+    port = free_port()
+    return [
+        subprocess.Popen(
+            list(argv),
+            env=rank_env(rank, world, port, extra=extra),
+            stdout=subprocess.PIPE if capture else None,
+            text=True,
+        )
+        for rank in range(world)
+    ]
 
 
 def launch(
@@ -36,19 +77,12 @@ def launch(
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     port = master_port or free_port()
-    procs: list[subprocess.Popen[bytes]] = []
-    base = dict(os.environ if env is None else env)
-    for rank in range(nproc):
-        rank_env = dict(
-            base,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(nproc),
-            LOCAL_WORLD_SIZE=str(nproc),
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=str(port),
+    procs: list[subprocess.Popen[bytes]] = [
+        subprocess.Popen(
+            list(command), env=rank_env(rank, nproc, port, master_addr=master_addr, base=env)
         )
-        procs.append(subprocess.Popen(list(command), env=rank_env))
+        for rank in range(nproc)
+    ]
 
     received: list[int] = []
 

@@ -45,7 +45,8 @@ async def local_group(
         hooks = [f for f in faults if f.rank == rank]
         hook = hooks[0].hook() if hooks else None
         if transport == "memory":
-            memory = MemoryTransport(registry)
+            policy = options.get("chunk_policy")
+            memory = MemoryTransport(registry, window=policy.window if policy else 4)
             memory.send_hook = hook
             return memory
         return GrpcTransport("127.0.0.1:0", tls=tls, token=token, send_hook=hook)

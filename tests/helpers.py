@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,14 +11,13 @@ from pathlib import Path
 
 import torch
 
+from ferrogrpc import launch
+
 ROOT = Path(__file__).resolve().parent.parent
 RANKS = Path(__file__).resolve().parent / "ranks"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+free_port = launch.free_port
 
 
 def reference_sum(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -40,18 +38,17 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
 
 
 def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
+    return launch.rank_env(
+        rank,
+        world,
+        port,
+        extra={
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            **extra,
+        },
     )
-    env.update(extra)
-    return env
 
 
 def run_ranks(

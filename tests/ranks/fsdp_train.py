@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+import common  # the script's folder is on sys.path
 import torch
 from torch import nn
 
@@ -34,16 +35,10 @@ def make_model() -> Net:
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(2000 + step)
-    return torch.randn(BATCH, 7, generator=g, dtype=torch.float64), torch.randn(
-        BATCH, 3, generator=g, dtype=torch.float64
-    )
+    return common.batch(step, BATCH, 7, 3, 2000)
 
 
-def make_opt(name: str, params: object) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)  # type: ignore[arg-type]
-    return torch.optim.Adam(params, lr=0.01)  # type: ignore[arg-type]
+make_opt = common.make_opt
 
 
 def reference(opt_name: str) -> Net:
