@@ -603,7 +603,7 @@ class Peer(StreamHandler):
         the result is written back."""
         if self.world_size > 1 and self._staged(tensor):
             return self._in_place_staged(tensor, make, load, store, prefill)
-        staged, flat = _stage(tensor)
+        staged, flat = _flat_host(tensor)
         job = make(flat)
 
         async def run() -> torch.Tensor:
@@ -611,7 +611,7 @@ class Peer(StreamHandler):
                 await self._execute(job)
             else:
                 self._check_open()
-            _unstage(tensor, staged)
+            _copy_back(tensor, staged)
             return tensor
 
         return run()
@@ -771,8 +771,8 @@ class Peer(StreamHandler):
         self._check_open()
         if self.world_size > 1 and (self._staged(tensor) or self._staged(out)):
             return self._reduce_scatter_staged(out, tensor, op, offset, name)
-        source = _host_contiguous(tensor).reshape(-1)
-        staged_out, flat_out = _stage(out)
+        source = tensor.detach().contiguous().reshape(-1)
+        staged_out, flat_out = _flat_host(out)
         job = self._job(pb.REDUCE_SCATTER, name, source, op, out=flat_out, out_offset=offset)
 
         async def run() -> torch.Tensor:
@@ -781,7 +781,7 @@ class Peer(StreamHandler):
             else:
                 self._check_open()
                 flat_out.copy_(source)
-            _unstage(out, staged_out)
+            _copy_back(out, staged_out)
             return out
 
         return run()
@@ -916,25 +916,18 @@ def _first_ferro(group: BaseExceptionGroup[BaseException]) -> FerroGrpcError | N
     return None
 
 
-def _host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.device.type != "cpu":
-        return tensor.detach().to("cpu")
-    return tensor.detach().contiguous()
-
-
-def _stage(tensor: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """A flat contiguous CPU view to work on, and the staging copy (if one
-    was needed) to copy back with :func:`_unstage`."""
+def _flat_host(tensor: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """A flat contiguous view of a CPU tensor to run the ring on, and the
+    contiguous copy (if the tensor was not contiguous) to copy back with
+    :func:`_copy_back`. Device tensors take the staged path instead."""
     t = tensor.detach()
-    if t.device.type == "cpu" and t.is_contiguous():
+    if t.is_contiguous():
         return None, t.view(-1)
-    staged = t.to("cpu").contiguous()
-    if staged.data_ptr() == t.data_ptr() and t.numel():
-        staged = staged.clone()
-    return staged, staged.view(-1)
+    copy = t.contiguous()
+    return copy, copy.view(-1)
 
 
-def _unstage(tensor: torch.Tensor, staged: torch.Tensor | None) -> None:
-    if staged is not None:
+def _copy_back(tensor: torch.Tensor, copy: torch.Tensor | None) -> None:
+    if copy is not None:
         with torch.no_grad():
-            tensor.copy_(staged.view(tensor.shape))
+            tensor.copy_(copy.view(tensor.shape))
