@@ -38,11 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="all_reduce benchmark against gloo (ferrogrpc bench --help)")
     sub.add_parser("coordinator", help="run the rendezvous coordinator")
     launch_p = sub.add_parser("launch", help="run N local ranks of a script, torchrun-style")
-    launch_p.add_argument("--nproc", type=int, default=2)
-    launch_p.add_argument("--master-port", type=int, default=None)
+    launch_p.add_argument("--nproc", type=int, default=2, help="ranks to start (default 2)")
+    launch_p.add_argument(
+        "--master-port", type=int, default=None, help="TCPStore port (default: a free one)"
+    )
     launch_p.add_argument("-m", dest="module", action="store_true", help="run script as a module")
-    launch_p.add_argument("script")
-    launch_p.add_argument("args", nargs=argparse.REMAINDER)
+    launch_p.add_argument("script", help="the program every rank runs")
+    launch_p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     status_p = sub.add_parser("status", help="print a coordinator's member table")
     status_p.add_argument("target", metavar="HOST:PORT")
     if argv and argv[0] in ("demo", "bench", "coordinator"):
