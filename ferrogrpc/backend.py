@@ -49,10 +49,10 @@ class Work(Generic[T]):
         it has not finished by then (the collective itself goes on)."""
         try:
             return self._future.result(timeout)
-        except concurrent.futures.TimeoutError:
+        except concurrent.futures.TimeoutError as exc:
             # That is the builtin TimeoutError, which CollectiveTimeoutError
-            # also is: a finished future raised the collective's own error.
-            if self._future.done():
+            # also is: the collective's own error passes through as it is.
+            if isinstance(exc, FerroGrpcError):
                 raise
             raise CollectiveTimeoutError(
                 f"Work.wait timed out after {timeout:g}s; the collective is still running",

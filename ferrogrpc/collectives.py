@@ -282,6 +282,10 @@ class LaneRunner:
         key = (peer.group, job.seq, self.lane, self.left)
         mailbox = peer.mailbox(key)
         try:
+            # The idle timeout also bounds how late a neighbour may start: the
+            # rank waiting for a late starter is the one that can name it, and
+            # its report reaches the others before their own (later-started)
+            # chunk timers blame an innocent rank in between.
             try:
                 async with asyncio.timeout(peer.timeouts.idle):
                     header, stream = await asyncio.shield(mailbox.arrived)

@@ -66,6 +66,8 @@ class Coordinator:
         self.join_window = join_window
         self._release_timer: asyncio.TimerHandle | None = None
         self._members: dict[int, _Member] = {}
+        # Frozen answers of completed rounds, by their completion event.
+        self._results: dict[int, rpb.JoinResponse] = {}
         self._complete = asyncio.Event()
         self.run_id = uuid.uuid4().hex[:12]
         self._server: grpc.aio.Server | None = None
@@ -74,13 +76,23 @@ class Coordinator:
 
     # ------------------------------------------------------------- handlers
 
-    def _table(self) -> list[str]:
-        return [self._members[r].address for r in range(self.world_size)]
-
     def _release(self) -> None:
         self._release_timer = None
         self.world_size = len(self._members)
         logger.info("releasing %d ranks (no new peer for %gs)", self.world_size, self.join_window)
+        self._complete_round()
+
+    def _complete_round(self) -> None:
+        ordered = [self._members[r] for r in range(self.world_size)]
+        self._results[id(self._complete)] = rpb.JoinResponse(
+            world_size=self.world_size,
+            addresses=[m.address for m in ordered],
+            nonces=[m.nonce for m in ordered],
+            run_id=self.run_id,
+        )
+        # Keep only the latest few rounds' answers.
+        while len(self._results) > 4:
+            self._results.pop(next(iter(self._results)))
         self._complete.set()
 
     def _new_round(self) -> None:
@@ -135,14 +147,35 @@ class Coordinator:
                         self.join_window, self._release
                     )
             elif len(self._members) == self.world_size:
-                self._complete.set()
+                self._complete_round()
         complete = self._complete
-        await complete.wait()
+        try:
+            await complete.wait()
+        except asyncio.CancelledError:
+            # The joiner gave up (or died) before the round completed: free
+            # its slot so that its replacement does not join a dead address.
+            if not complete.is_set() and self._members.get(member.rank) is member:
+                del self._members[member.rank]
+                logger.info("rank %d left before the round completed", member.rank)
+                if self.fixed_world_size == 0:
+                    # Elastic ranks are dense: renumber the ones still waiting.
+                    remaining = sorted(self._members.values(), key=lambda m: m.rank)
+                    self._members = dict(enumerate(remaining))
+                    for rank, m in self._members.items():
+                        m.rank = rank
+                    if len(self._members) < self.min_ranks and self._release_timer is not None:
+                        self._release_timer.cancel()
+                        self._release_timer = None
+            raise
+        # Answer from the round this peer joined, even if a newer round has
+        # started since the release.
+        result = self._results[id(complete)]
         return rpb.JoinResponse(
-            rank=member.rank,
-            world_size=self.world_size,
-            addresses=self._table(),
-            run_id=self.run_id,
+            rank=member.rank,  # final: ranks are only renumbered before release
+            world_size=result.world_size,
+            addresses=result.addresses,
+            run_id=result.run_id,
+            nonces=result.nonces,
         )
 
     async def heartbeat(
@@ -201,7 +234,10 @@ class Coordinator:
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        port = server.add_insecure_port(bind)
+        try:
+            port = server.add_insecure_port(bind)
+        except RuntimeError as exc:
+            raise RendezvousError(f"coordinator could not bind {bind}: {exc}") from exc
         if port == 0:
             raise RendezvousError(f"coordinator could not bind {bind}")
         await server.start()

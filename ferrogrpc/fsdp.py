@@ -184,10 +184,13 @@ class FSDP(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full, unpadded tensors under the inner module's keys, on every rank.
         A collective."""
-        fulls = dict(zip((e.name for e in self._entries), self._gather(), strict=True))
+        # By identity: a tied parameter appears once in named_parameters()
+        # but under every alias in state_dict().
+        fulls = {id(e.param): full for e, full in zip(self._entries, self._gather(), strict=True)}
         out: dict[str, torch.Tensor] = {}
         for key, value in self.module.state_dict(keep_vars=True).items():
-            out[key] = fulls[key].clone() if key in fulls else value.detach().clone()
+            full = fulls.get(id(value))
+            out[key] = full.clone() if full is not None else value.detach().clone()
         return out
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:

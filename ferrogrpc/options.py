@@ -62,15 +62,18 @@ class Timeouts:
 
     - ``collective``: the overall deadline of one collective, in seconds
       (default 300; ``FERROGRPC_TIMEOUT``).
-    - ``idle``: the longest wait for the next chunk from a neighbour before
-      :class:`CollectiveTimeoutError` names it (default 60;
-      ``FERROGRPC_IDLE_TIMEOUT``).
+    - ``idle``: the longest wait for a neighbour to start the collective, to
+      send its next chunk or to accept one, before
+      :class:`CollectiveTimeoutError` names it (default 120;
+      ``FERROGRPC_IDLE_TIMEOUT``). A rank that reaches a collective more than
+      this late (after long rank-local work, such as rank 0 saving a
+      checkpoint) is reported as stuck: raise it for such jobs.
     - ``connect``: how long rendezvous and connecting may take (default 120;
       ``FERROGRPC_CONNECT_TIMEOUT``).
     """
 
     collective: float = 300.0
-    idle: float = 60.0
+    idle: float = 120.0
     connect: float = 120.0
 
     def __post_init__(self) -> None:

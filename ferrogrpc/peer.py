@@ -419,10 +419,13 @@ class Peer(StreamHandler):
 
     def _next_seq(self) -> int:
         with self._seq_lock:
-            self._seq += 1
+            seq = self._seq + 1
+            # Pending before visible: handle_stream reads _seq without the lock
+            # and must never see a new seq that is not yet pending.
             if self.world_size > 1:
-                self._pending.add(self._seq)
-            return self._seq
+                self._pending.add(seq)
+            self._seq = seq
+            return seq
 
     def _job(
         self,
@@ -646,10 +649,10 @@ class Peer(StreamHandler):
         if not work.is_contiguous():
             work = work.contiguous()
         device_flat = work.view(-1)
+        copier = self._copier(tensor)  # may refuse the device: before taking a seq
         raw = self._pinned.acquire(work.numel() * work.element_size())
         host = host_view(raw, work.dtype, work.numel())
         job = make(host)
-        copier = self._copier(tensor)
         stage = Stage(
             copier,
             self._pinned,
@@ -701,6 +704,12 @@ class Peer(StreamHandler):
         self._check_tensor(tensor, "all_gather_into_tensor")
         self._check_tensor(out, "all_gather_into_tensor", "out")
         self._check_same_dtype(out, tensor, "all_gather_into_tensor")
+        if out.device != tensor.device:
+            raise self.error(
+                ConfigError,
+                f"tensor is on {tensor.device} but out is on {out.device}",
+                op="all_gather_into_tensor",
+            )
         if out.numel() != self.world_size * tensor.numel():
             raise self.error(
                 ConfigError,
@@ -795,13 +804,19 @@ class Peer(StreamHandler):
         work = out.detach()
         if not work.is_contiguous():
             work = work.contiguous()
+        if tensor.device != out.device:
+            raise self.error(
+                ConfigError,
+                f"tensor is on {tensor.device} but out is on {out.device}",
+                op=name,
+            )
+        copier = self._copier(tensor)  # may refuse the device: before taking a seq
         pool = self._pinned
         raw_in = pool.acquire(source.numel() * source.element_size())
         raw_out = pool.acquire(work.numel() * work.element_size())
         host_in = host_view(raw_in, source.dtype, source.numel())
         host_out = host_view(raw_out, work.dtype, work.numel())
         job = self._job(pb.REDUCE_SCATTER, name, host_in, op, out=host_out, out_offset=offset)
-        copier = self._copier(tensor)
         job.stage = Stage(
             copier,
             pool,

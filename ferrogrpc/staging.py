@@ -14,7 +14,8 @@ The ring runs on a host buffer. For a CUDA tensor:
   still arriving.
 - At the end the caller's stream waits for the copy stream, so the result is
   ordered with the caller's later kernels, exactly as if a kernel had written
-  it. The blocking call returns once the copies are queued (like NCCL).
+  it; the call returns once the copies have completed, so that the pinned
+  buffers can be reused.
 
 Reductions run on the host, in the pinned buffer: the received chunk is
 already there, and reducing on the device would cost a copy up and a copy
@@ -30,6 +31,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import bisect
+import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -68,14 +70,17 @@ class CudaCopier(Copier):
     """Copies on a private CUDA stream, with one event per copy."""
 
     _streams: ClassVar[dict[int, Any]] = {}
+    _lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, device: torch.device) -> None:
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
         self.user_stream = torch.cuda.current_stream(self.device)
-        stream = CudaCopier._streams.get(index)
-        if stream is None:
-            stream = CudaCopier._streams[index] = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        with CudaCopier._lock:
+            stream = CudaCopier._streams.get(index)
+            if stream is None:
+                stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+                CudaCopier._streams[index] = stream
         self.stream = stream
 
     def begin(self) -> None:
@@ -113,18 +118,22 @@ class PinnedPool:
         self.pin = pin
         self.keep = keep_per_size
         self._free: dict[int, list[torch.Tensor]] = {}
+        # Callers acquire on their own threads; buffers come back on the loop.
+        self._lock = threading.Lock()
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         size = 1 << max(12, (max(nbytes, 1) - 1).bit_length())
-        free = self._free.get(size)
-        if free:
-            return free.pop()
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                return free.pop()
         return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
 
     def release(self, buffer: torch.Tensor) -> None:
-        free = self._free.setdefault(buffer.numel(), [])
-        if len(free) < self.keep:
-            free.append(buffer)
+        with self._lock:
+            free = self._free.setdefault(buffer.numel(), [])
+            if len(free) < self.keep:
+                free.append(buffer)
 
 
 def host_view(raw: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:

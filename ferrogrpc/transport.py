@@ -20,7 +20,7 @@ from typing import Any, Protocol, cast
 import grpc
 import grpc.aio
 
-from .errors import ERROR_CLASSES, FerroGrpcError, PeerError, ProtocolError
+from .errors import ERROR_CLASSES, ConfigError, FerroGrpcError, PeerError, ProtocolError
 from .options import TLSConfig
 
 SERVICE = "ferrogrpc.v1.Collective"
@@ -287,17 +287,26 @@ class GrpcTransport(Transport):
                 ),
             )
         )
-        if self._tls is not None:
-            credentials = grpc.ssl_server_credentials(
-                [(self._tls.private_key, self._tls.certificate_chain)],
-                root_certificates=self._tls.root_certificates,
-                require_client_auth=True,
-            )
-            port = server.add_secure_port(self._bind, credentials)
+        try:
+            if self._tls is not None:
+                credentials = grpc.ssl_server_credentials(
+                    [(self._tls.private_key, self._tls.certificate_chain)],
+                    root_certificates=self._tls.root_certificates,
+                    require_client_auth=True,
+                )
+                port = server.add_secure_port(self._bind, credentials)
+            else:
+                port = server.add_insecure_port(self._bind)
+        except RuntimeError as exc:
+            port = 0
+            cause: Exception | None = exc
         else:
-            port = server.add_insecure_port(self._bind)
+            cause = None
         if port == 0:
-            raise PeerError(f"could not bind a gRPC server on {self._bind}")
+            raise ConfigError(
+                f"could not bind the peer's gRPC server on {self._bind} (address in use, or "
+                "not an address of this host? see FERROGRPC_BIND_HOST and FERROGRPC_PORT)"
+            ) from cause
         await server.start()
         self._server = server
         self.port = port

@@ -112,6 +112,16 @@ def main() -> None:
     for key, value in other.items():
         assert torch.equal(inner.state_dict()[key], value), key
     assert fsdp.module is model and fsdp.backend is backend
+
+    # Tied parameters: every alias key gets the full tensor.
+    torch.manual_seed(1)
+    tied = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    tied[2].weight = tied[0].weight
+    expected = {k: v.clone() for k, v in tied.state_dict().items()}
+    tied_sd = fg.FSDP(tied, backend).full_state_dict()
+    assert list(tied_sd) == list(expected)
+    for key, value in expected.items():
+        assert torch.equal(tied_sd[key], value), key
     backend.close()
     print(f"OK rank {rank}/{world}", flush=True)
 
