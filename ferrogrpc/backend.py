@@ -14,7 +14,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 
 import torch
 
-from .errors import CollectiveTimeoutError, ConfigError, FerroGrpcError
+from .errors import CollectiveTimeoutError, ConfigError, FerroGrpcError, RendezvousError
 from .ops import ReduceOp
 from .options import (
     ADVERTISE_HOST_ENV,
@@ -120,7 +120,15 @@ class Backend:
                 f"{name} was called from the backend's own event-loop thread; use the Peer's "
                 "coroutines there"
             )
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        with self._close_lock:
+            # Under the lock, so that close() cannot stop the loop between the
+            # check and the hand-off (the work would never run).
+            if self._closed:
+                coro.close()
+                raise ConfigError(
+                    "this backend is closed", rank=self.rank, world_size=self.world_size, op=name
+                )
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         work = Work(future, name)
         return work if async_op else work.wait()
 
@@ -375,10 +383,20 @@ def init_backend(
         tls=tls if tls is not None else TLSConfig.from_env(),
         token=token if token is not None else (os.environ.get(TOKEN_ENV) or None),
     )
+    starting = asyncio.run_coroutine_threadsafe(start, loop)
     try:
-        peer = asyncio.run_coroutine_threadsafe(start, loop).result(timeout=timeouts.connect + 30)
-    except BaseException:
+        peer = starting.result(timeout=timeouts.connect + 30)
+    except BaseException as exc:
+        # Cancelling the start closes whatever it had bound (Peer.start cleans
+        # up on any exception, cancellation included).
+        starting.cancel()
+        with contextlib.suppress(BaseException):
+            starting.result(timeout=10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
+        if isinstance(exc, TimeoutError) and not isinstance(exc, FerroGrpcError):
+            raise RendezvousError(
+                f"the group did not form within {timeouts.connect + 30:g}s"
+            ) from exc
         raise
     return Backend(peer, loop, thread, rendezvous)

@@ -81,3 +81,20 @@ async def test_a_taken_port_is_a_config_error() -> None:
         transport = GrpcTransport(f"127.0.0.1:{port}")
         with pytest.raises(fg.ConfigError, match=f"127.0.0.1:{port}"):
             await transport.start(None)  # type: ignore[arg-type]
+
+
+def test_a_group_that_never_forms_is_a_rendezvous_error() -> None:
+    import threading
+    import time
+
+    from tests.helpers import free_port
+
+    before = threading.active_count()
+    start = time.monotonic()
+    with pytest.raises(fg.RendezvousError, match="within"):
+        fg.init_backend(
+            0, 2, "127.0.0.1", free_port(), timeouts=fg.Timeouts(collective=5, idle=5, connect=2)
+        )
+    assert time.monotonic() - start < 15
+    time.sleep(0.5)
+    assert threading.active_count() <= before + 1  # at most the store's executor thread
