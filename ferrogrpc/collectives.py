@@ -178,6 +178,9 @@ class LaneRunner:
                 await stream.write(wire.encode(header))
                 await stream.close()
         except (Exception, asyncio.CancelledError):
+            # Best effort. A CancelledError here is the TaskGroup's own request
+            # to stop this task, still pending from the failure being handled;
+            # the caller re-raises that failure (or the cancellation) next.
             pass
         finally:
             stream.cancel()
