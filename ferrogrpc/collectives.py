@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
+import time
 import warnings
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -30,6 +31,8 @@ from .v1 import collective_pb2 as pb
 
 if TYPE_CHECKING:
     from .peer import Peer
+
+T = TypeVar("T")
 
 
 class Counter:
@@ -137,6 +140,10 @@ class LaneRunner:
         self.in_place = job.out is None
         # The outgoing stream, until it has been closed cleanly.
         self.out: OutStream | None = None
+        # For the watchdog: what each side ("send", "recv") is waiting for,
+        # as (neighbour, description), and when anything last completed.
+        self.waiting: dict[str, tuple[int, str]] = {}
+        self.progress_at = time.monotonic()
         # Verified checksums of chunks received by copy, by receive index: a
         # chunk forwarded unchanged needs no second pass over its bytes.
         self.recv_crc: dict[int, int] = {}
@@ -147,8 +154,8 @@ class LaneRunner:
     async def run(self) -> None:
         try:
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._send())
-                tg.create_task(self._receive())
+                work = [tg.create_task(self._send()), tg.create_task(self._receive())]
+                tg.create_task(self._watchdog(work))
         except BaseException as exc:
             await self._abort_downstream(exc)
             raise
@@ -196,19 +203,50 @@ class LaneRunner:
             lane=self.lane,
         )
 
-    async def _write(self, stream: OutStream, message: bytes, step: int) -> None:
+    async def _waiting(self, side: str, neighbour: int, what: str, awaitable: Awaitable[T]) -> T:
+        """Await ``awaitable`` while the watchdog knows what this side waits
+        for; record progress when it completes."""
+        self.waiting[side] = (neighbour, what)
         try:
-            async with asyncio.timeout(self.peer.timeouts.idle):
-                await stream.write(message)
-        except TimeoutError:
-            raise self._error(
-                CollectiveTimeoutError,
-                f"rank {self.right} ({self.peer.address_of(self.right)}) accepted no data for "
-                f"{self.peer.timeouts.idle:g}s at step {step}; it is stuck or overloaded",
-                self.right,
-            ) from None
+            result = await awaitable
         except FerroGrpcError as exc:
-            raise self.peer.contextualize(exc, self.job.name, self.job.seq, self.right) from exc
+            raise self.peer.contextualize(exc, self.job.name, self.job.seq, neighbour) from exc
+        finally:
+            self.waiting.pop(side, None)
+        self.progress_at = time.monotonic()
+        return result
+
+    async def _watchdog(self, work: list[asyncio.Task[None]]) -> None:
+        """Each time a whole idle timeout passes without progress, ask the
+        neighbours this lane waits for whether they are alive. One whose
+        event loop answers is only waiting itself (upstream in the ring, or
+        busy with rank-local work before the collective) and is waited for,
+        up to the collective's deadline; one that does not answer is stuck,
+        and named. Costs nothing per chunk."""
+        idle = self.peer.timeouts.idle
+        while True:
+            done, _ = await asyncio.wait(work, timeout=idle / 4)
+            if len(done) == len(work):
+                return
+            if time.monotonic() - self.progress_at < idle:
+                continue
+            for neighbour, what in list(self.waiting.values()):
+                try:
+                    await self.peer.transport.ping(neighbour, timeout=idle)
+                except FerroGrpcError as exc:
+                    raise self._error(
+                        CollectiveTimeoutError,
+                        f"waited {idle:g}s for {what} rank {neighbour} "
+                        f"({self.peer.address_of(neighbour)}), which does not answer: it is "
+                        f"stuck ({exc.message})",
+                        neighbour,
+                    ) from None
+            self.progress_at = time.monotonic()
+
+    async def _write(self, stream: OutStream, message: bytes, step: int) -> None:
+        await self._waiting(
+            "send", self.right, f"step {step} to be accepted by", stream.write(message)
+        )
 
     async def _send(self) -> None:
         peer = self.peer
@@ -249,35 +287,15 @@ class LaneRunner:
         # the data.)
         if self.received.value < len(self.plan.recvs):
             await self.received.wait_for(len(self.plan.recvs))
-        try:
-            async with asyncio.timeout(peer.timeouts.idle):
-                await stream.close()
-        except TimeoutError:
-            raise self._error(
-                CollectiveTimeoutError,
-                f"rank {self.right} ({peer.address_of(self.right)}) did not finish reading "
-                f"within {peer.timeouts.idle:g}s",
-                self.right,
-            ) from None
-        except FerroGrpcError as exc:
-            raise peer.contextualize(exc, self.job.name, self.job.seq, self.right) from exc
+        await self._waiting(
+            "send", self.right, "the end of the stream to be read by", stream.close()
+        )
         self.out = None
 
     # ----------------------------------------------------------- receiving
 
     async def _read(self, stream: InStream, what: str) -> bytes | None:
-        try:
-            async with asyncio.timeout(self.peer.timeouts.idle):
-                return await stream.read()
-        except TimeoutError:
-            raise self._error(
-                CollectiveTimeoutError,
-                f"waited {self.peer.timeouts.idle:g}s for {what} from rank {self.left} "
-                f"({self.peer.address_of(self.left)}); it is stuck or overloaded",
-                self.left,
-            ) from None
-        except FerroGrpcError as exc:
-            raise self.peer.contextualize(exc, self.job.name, self.job.seq, self.left) from exc
+        return await self._waiting("recv", self.left, f"{what} from", stream.read())
 
     async def _receive(self) -> None:
         peer = self.peer
@@ -285,20 +303,14 @@ class LaneRunner:
         key = (peer.group, job.seq, self.lane, self.left)
         mailbox = peer.mailbox(key)
         try:
-            # The idle timeout also bounds how late a neighbour may start: the
-            # rank waiting for a late starter is the one that can name it, and
-            # its report reaches the others before their own (later-started)
-            # chunk timers blame an innocent rank in between.
-            try:
-                async with asyncio.timeout(peer.timeouts.idle):
-                    header, stream = await asyncio.shield(mailbox.arrived)
-            except TimeoutError:
-                raise self._error(
-                    CollectiveTimeoutError,
-                    f"rank {self.left} ({peer.address_of(self.left)}) did not start "
-                    f"{job.name}#{job.seq} within {peer.timeouts.idle:g}s",
-                    self.left,
-                ) from None
+            # A late neighbour (rank-local work before the collective) is
+            # waited for as long as it answers pings.
+            header, stream = await self._waiting(
+                "recv",
+                self.left,
+                f"{job.name}#{job.seq} to start at",
+                asyncio.shield(mailbox.arrived),
+            )
             mismatch = describe_mismatch(job.descriptor, header.descriptor, peer.rank, self.left)
             if mismatch:
                 raise self._error(ProtocolError, mismatch, self.left)

@@ -62,12 +62,13 @@ class Timeouts:
 
     - ``collective``: the overall deadline of one collective, in seconds
       (default 300; ``FERROGRPC_TIMEOUT``).
-    - ``idle``: the longest wait for a neighbour to start the collective, to
-      send its next chunk or to accept one, before
-      :class:`CollectiveTimeoutError` names it (default 120;
-      ``FERROGRPC_IDLE_TIMEOUT``). A rank that reaches a collective more than
-      this late (after long rank-local work, such as rank 0 saving a
-      checkpoint) is reported as stuck: raise it for such jobs.
+    - ``idle``: after this long without progress (no chunk in or out), a
+      rank asks the neighbours it waits for whether they are alive; one that
+      does not answer within another ``idle`` is named stuck in a
+      :class:`CollectiveTimeoutError` (default 120;
+      ``FERROGRPC_IDLE_TIMEOUT``). A neighbour that answers is only waiting
+      itself (upstream in the ring, or busy with rank-local work such as
+      saving a checkpoint) and is waited for up to ``collective``.
     - ``connect``: how long rendezvous and connecting may take (default 120;
       ``FERROGRPC_CONNECT_TIMEOUT``).
     """

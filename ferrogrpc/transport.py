@@ -26,6 +26,7 @@ from .options import TLSConfig
 SERVICE = "ferrogrpc.v1.Collective"
 SEND_METHOD = f"/{SERVICE}/Send"
 ABORT_METHOD = f"/{SERVICE}/Abort"
+PING_METHOD = f"/{SERVICE}/Ping"
 
 
 class InStream(Protocol):
@@ -70,6 +71,10 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def send_abort(self, dst: int, message: bytes, timeout: float) -> None: ...
+
+    @abc.abstractmethod
+    async def ping(self, dst: int, timeout: float) -> None:
+        """Return if ``dst`` answers within ``timeout``; raise PeerError if not."""
 
     @abc.abstractmethod
     async def close(self) -> None: ...
@@ -121,6 +126,10 @@ def _peer_error(exc: BaseException, dst: int, address: str, what: str) -> FerroG
 
 
 # --------------------------------------------------------------------- grpc
+
+
+async def _serve_ping(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+    return b""
 
 
 async def _abort_with(context: grpc.aio.ServicerContext[Any, Any], exc: FerroGrpcError) -> None:
@@ -283,6 +292,7 @@ class GrpcTransport(Transport):
                     {
                         "Send": grpc.stream_unary_rpc_method_handler(self._serve_send),
                         "Abort": grpc.unary_unary_rpc_method_handler(self._serve_abort),
+                        "Ping": grpc.unary_unary_rpc_method_handler(_serve_ping),
                     },
                 ),
             )
@@ -384,6 +394,15 @@ class GrpcTransport(Transport):
         except grpc.aio.AioRpcError as exc:
             raise _peer_error(exc, dst, self.addresses[dst], "abort") from exc
 
+    async def ping(self, dst: int, timeout: float) -> None:
+        method = self._channel(dst, 0).unary_unary(
+            PING_METHOD, request_serializer=_identity, response_deserializer=_identity
+        )
+        try:
+            await method(b"", timeout=timeout, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise _peer_error(exc, dst, self.addresses[dst], "ping") from exc
+
     async def close(self) -> None:
         channels = list(self._channels.values())
         self._channels.clear()
@@ -462,6 +481,8 @@ class MemoryTransport(Transport):
         self.send_hook: SendHook | None = None
         self.handler: StreamHandler | None = None
         self.closed = False
+        # Tests set this to stand for a stopped process: pings go unanswered.
+        self.frozen = False
         self.addresses = []
 
     async def start(self, handler: StreamHandler) -> str:
@@ -483,6 +504,14 @@ class MemoryTransport(Transport):
         target = self._target(dst)
         if target.handler is not None and not target.closed:
             await target.handler.handle_abort(message)
+
+    async def ping(self, dst: int, timeout: float) -> None:
+        target = self._target(dst)
+        if target.closed or target.handler is None:
+            raise PeerError(f"rank {dst} is gone", peer=dst)
+        if target.frozen:
+            await asyncio.sleep(timeout)
+            raise PeerError(f"rank {dst} did not answer a ping", peer=dst)
 
     async def close(self) -> None:
         self.closed = True

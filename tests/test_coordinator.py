@@ -98,3 +98,20 @@ def test_a_group_that_never_forms_is_a_rendezvous_error() -> None:
     assert time.monotonic() - start < 15
     time.sleep(0.5)
     assert threading.active_count() <= before + 1  # at most the store's executor thread
+
+
+async def test_a_late_neighbour_that_answers_pings_is_waited_for() -> None:
+    import torch
+
+    timeouts = fg.Timeouts(collective=20, idle=0.3, connect=10)
+    async with fg.testing.local_group(3, timeouts=timeouts) as peers:
+        ts = [torch.ones(1000) * (r + 1) for r in range(3)]
+
+        async def late(p: fg.Peer, t: torch.Tensor) -> torch.Tensor:
+            await asyncio.sleep(1.5)  # five idle timeouts of rank-local work
+            return await p.all_reduce(t)
+
+        await asyncio.gather(
+            peers[0].all_reduce(ts[0]), peers[1].all_reduce(ts[1]), late(peers[2], ts[2])
+        )
+        assert all(bool(t.eq(6.0).all()) for t in ts)

@@ -150,3 +150,9 @@ class Abort(_message.Message):
 class AbortAck(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class Ping(_message.Message):
+    __slots__ = ("from_rank",)
+    FROM_RANK_FIELD_NUMBER: _ClassVar[int]
+    from_rank: int
+    def __init__(self, from_rank: _Optional[int] = ...) -> None: ...
