@@ -418,9 +418,10 @@ class LaneRunner:
             peer.stats.bytes_received += nbytes
             self.received.advance()
         tail = await self._read(stream, "the end of the stream")
-        if tail is not None and wire.decode(tail)[0].HasField("abort"):
-            raise peer.error_from_abort(wire.decode(tail)[0].abort)
         if tail is not None:
+            tail_header, _ = wire.decode(tail)
+            if tail_header.HasField("abort"):
+                raise peer.error_from_abort(tail_header.abort)
             raise self._error(
                 ProtocolError,
                 f"rank {self.left} sent more chunks than the schedule allows "

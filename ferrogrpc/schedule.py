@@ -131,22 +131,6 @@ def chunk_elems_for(chunk_bytes: int, itemsize: int) -> int:
     return max(1, chunk_bytes // itemsize)
 
 
-def messages_per_stream(layout: Layout, lane: int, steps: list[Step]) -> int:
-    """Number of data chunks one stream carries (for tests and accounting)."""
-    return sum(len(layout.chunks(lane, s.send)) for s in steps)
-
-
-def bus_factor(kind: str, world: int) -> float:
-    """nccl-tests' bus bandwidth factor for a collective kind."""
-    if world <= 1:
-        return 1.0
-    if kind == "all_reduce":
-        return 2.0 * (world - 1) / world
-    if kind in ("all_gather", "reduce_scatter"):
-        return (world - 1) / world
-    return 1.0
-
-
 # --- per-lane plans: the exact list of chunks a rank sends and receives ---
 
 REDUCE = 0  # reduce the payload into the local range

@@ -10,8 +10,6 @@ wrote in another valid field order still decodes, through the slow path.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from google.protobuf.message import DecodeError
 
 from .errors import ProtocolError
@@ -22,8 +20,6 @@ _PAYLOAD_TAG = 0x12  # field 2, wire type 2
 _PAD_TAG = 0x1A  # field 3, wire type 2
 # Payload alignment in the message; a bytes object's data is 16-byte aligned.
 _ALIGN = 8
-
-Checksum = Callable[[memoryview], int]
 
 
 def _varint(value: int) -> bytes:

@@ -92,3 +92,37 @@ def run_ranks(
     for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode == 0, f"rank {rank} of {script} exited {proc.returncode}:\n{out}"
     return outputs
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without rendezvous variables, with the repo importable."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FERROGRPC_COORDINATOR"):
+        env.pop(key, None)
+    return env
+
+
+def run_torchrun(
+    nproc: int, *program: str, timeout: float = 110
+) -> subprocess.CompletedProcess[str]:
+    """``python -m torch.distributed.run --nproc-per-node N <program>`` on a
+    free port, output captured."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            *program,
+        ],
+        env=clean_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -5,7 +5,6 @@ under torchrun, and the compose file."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -14,11 +13,9 @@ import time
 
 import pytest
 
-from tests.helpers import RANKS, ROOT, free_port
+from tests.helpers import RANKS, ROOT, clean_env, free_port, run_torchrun
 
-ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-for _key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FERROGRPC_COORDINATOR"):
-    ENV.pop(_key, None)
+ENV = clean_env()
 CLI = [sys.executable, "-m", "ferrogrpc.cli"]
 
 
@@ -147,30 +144,7 @@ def test_coordinator_assigns_ranks_reports_status_and_stops_on_sigterm() -> None
 
 @pytest.mark.timeout(120)
 def test_client_train_under_torchrun() -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            "-m",
-            "client.train",
-            "--mode",
-            "ddp",
-            "--steps",
-            "5",
-        ],
-        env=ENV,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
+    proc = run_torchrun(2, "-m", "client.train", "--mode", "ddp", "--steps", "5")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     _checksums_agree([proc.stdout], 5)
 

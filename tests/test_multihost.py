@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, clean_env
 
 RANKS = 3
 SUBNET = "198.18.0"
@@ -112,9 +112,7 @@ def test_compose_services_train_across_network_namespaces() -> None:
     assert rank_env["FERROGRPC_COORDINATOR"].startswith("coordinator:")
 
     hosts = ["coordinator"] + [f"rank-{i}" for i in range(1, RANKS + 1)]
-    base_env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FERROGRPC_COORDINATOR"):
-        base_env.pop(key, None)
+    base_env = clean_env()
     procs: list[subprocess.Popen[str]] = []
     with namespaces(hosts) as ns:
         try:
