@@ -14,6 +14,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 
 import torch
 
+from ._intraop import limit_thread_intraop, loop_thread_count
 from .errors import CollectiveTimeoutError, ConfigError, FerroGrpcError, RendezvousError
 from .ops import ReduceOp
 from .options import (
@@ -287,10 +288,12 @@ def _is_loopback(host: str) -> bool:
 
 
 def _start_loop() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+    threads = loop_thread_count()
     loop = asyncio.new_event_loop()
     ready = threading.Event()
 
     def run() -> None:
+        limit_thread_intraop(threads)
         asyncio.set_event_loop(loop)
         loop.call_soon(ready.set)
         loop.run_forever()
