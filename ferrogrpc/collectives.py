@@ -24,7 +24,7 @@ import torch
 from . import schedule, wire
 from .errors import CollectiveTimeoutError, FerroGrpcError, PeerError, ProtocolError
 from .ops import ReduceOp, kind_name, wire_dtype_name, wire_op_name
-from .schedule import COPY, REDUCE, REDUCE_LAST, LanePlan
+from .schedule import COPY, REDUCE, LanePlan
 from .staging import Stage
 from .transport import InStream, OutStream
 from .v1 import collective_pb2 as pb
@@ -135,8 +135,13 @@ class LaneRunner:
         self.left = (peer.rank - 1) % self.world
         self.itemsize = job.buffer.element_size()
         self.received = Counter()
-        # Out-of-place reduce-scatter keeps reduced chunks here until forwarded.
-        self.scratch: dict[int, torch.Tensor] = {}
+        # Messages ready to forward, by receive index: a received chunk that is
+        # copied travels on unchanged (its header names where it came from
+        # and carries its verified checksum); a partial sum is reduced
+        # straight into the message that carries it on.
+        self.outgoing: dict[int, bytes] = {}
+        # For each receive index that is forwarded, the send item forwarding it.
+        self.forwards = {item.from_recv: item for item in plan.sends if item.from_recv >= 0}
         self.in_place = job.out is None
         # The outgoing stream, until it has been closed cleanly.
         self.out: OutStream | None = None
@@ -144,9 +149,6 @@ class LaneRunner:
         # as (neighbour, description), and when anything last completed.
         self.waiting: dict[str, tuple[int, str]] = {}
         self.progress_at = time.monotonic()
-        # Verified checksums of chunks received by copy, by receive index: a
-        # chunk forwarded unchanged needs no second pass over its bytes.
-        self.recv_crc: dict[int, int] = {}
 
     def _error(self, cls: type[FerroGrpcError], message: str, peer: int | None) -> FerroGrpcError:
         return self.peer.error(cls, message, op=self.job.name, seq=self.job.seq, peer=peer)
@@ -261,25 +263,25 @@ class LaneRunner:
         flat = self.job.buffer
         checksum = peer.checksum
         stage = self.job.stage
+        itemsize = self.itemsize
         for item in self.plan.sends:
             if item.after > self.received.value:
                 await self.received.wait_for(item.after)
-            if item.from_recv >= 0 and not self.in_place:
-                data = self.scratch.pop(item.from_recv)
-            else:
+            message = self.outgoing.pop(item.from_recv, None)
+            if message is None:
+                # Read from this rank's own data (or a finished segment).
                 if stage is not None:
                     await stage.ready(item.lo, item.hi)
-                data = flat[item.lo : item.hi]
-            payload = _bytes_view(data)
-            header.step = item.step
-            header.chunk_index = item.chunk
-            header.offset = item.lo
-            if checksum is not None:
-                known = self.recv_crc.pop(item.from_recv, None) if item.from_recv >= 0 else None
-                header.crc32c = checksum(payload) if known is None else known
-                header.has_crc = True
-            await self._write(stream, wire.encode(header, payload), item.step)
-            peer.stats.bytes_sent += payload.nbytes
+                payload = _bytes_view(flat[item.lo : item.hi])
+                header.step = item.step
+                header.chunk_index = item.chunk
+                header.offset = item.lo
+                if checksum is not None:
+                    header.crc32c = checksum(payload)
+                    header.has_crc = True
+                message = wire.encode(header, payload)
+            await self._write(stream, message, item.step)
+            peer.stats.bytes_sent += (item.hi - item.lo) * itemsize
         # End the stream only once everything this rank receives has arrived
         # and passed its checks: the right neighbour's collective then cannot
         # finish before this rank's has all its data. (For a broadcast this
@@ -327,6 +329,31 @@ class LaneRunner:
         finally:
             peer.drop_mailbox(key)
 
+    def _reduced_message(
+        self,
+        index: int,
+        incoming: torch.Tensor | None,
+        reduce: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object],
+    ) -> bytes:
+        """The message forwarding receive item ``index``: this rank's range
+        reduced with ``incoming``, written in place into the message."""
+        send = self.forwards[index]
+        header = self._header()
+        header.step = send.step
+        header.chunk_index = send.chunk
+        header.offset = send.lo
+        checksum = self.peer.checksum
+        if checksum is not None:
+            header.has_crc = True
+            header.crc32c = 0xFFFFFFFF  # the longest encoding, for the bound
+        frame = wire.Frame(header, (send.hi - send.lo) * self.itemsize)
+        local = self.job.buffer[send.lo : send.hi]
+        if incoming is not None:
+            reduce(local, incoming, frame.payload(local.dtype))
+        if checksum is not None:
+            header.crc32c = checksum(frame.view())
+        return frame.seal(header)
+
     async def _consume(self, stream: InStream) -> None:
         peer = self.peer
         job = self.job
@@ -358,22 +385,23 @@ class LaneRunner:
             if header.HasField("abort"):
                 raise peer.error_from_abort(header.abort)
             nbytes = (item.hi - item.lo) * itemsize
+            # The stream is the left neighbour's (checked on its first
+            # message), and chunks arrive in plan order; step and src_rank
+            # name the rank that produced a forwarded chunk, not the hop.
             if (
                 header.seq != job.seq
-                or header.step != item.step
                 or header.chunk_index != item.chunk
                 or header.offset != item.lo
-                or header.src_rank != self.left
                 or header.lane != self.lane
                 or payload.nbytes != nbytes
             ):
                 raise self._error(
                     ProtocolError,
-                    f"rank {self.left} sent chunk (seq={header.seq} step={header.step} "
-                    f"chunk={header.chunk_index} offset={header.offset} src={header.src_rank} "
-                    f"lane={header.lane} bytes={payload.nbytes}), expected (seq={job.seq} "
-                    f"step={item.step} chunk={item.chunk} offset={item.lo} src={self.left} "
-                    f"lane={self.lane} bytes={nbytes})",
+                    f"rank {self.left} sent chunk (seq={header.seq} chunk={header.chunk_index} "
+                    f"offset={header.offset} lane={header.lane} bytes={payload.nbytes}, made by "
+                    f"rank {header.src_rank} at step {header.step}), expected (seq={job.seq} "
+                    f"chunk={item.chunk} offset={item.lo} lane={self.lane} bytes={nbytes}) "
+                    f"at step {item.step}",
                     self.left,
                 )
             if checksum is not None and (not header.has_crc or checksum(payload) != header.crc32c):
@@ -384,35 +412,31 @@ class LaneRunner:
                     "flight; it was discarded",
                     self.left,
                 )
-            if checksum is not None and item.action == COPY:
-                self.recv_crc[index] = header.crc32c
             if stage is not None:
                 await stage.ready(item.lo, item.hi)
-            if nbytes:
-                incoming = torch.frombuffer(payload, dtype=dtype)
-                if item.action == COPY:
+            incoming = torch.frombuffer(payload, dtype=dtype) if nbytes else None
+            if item.action == COPY:
+                if incoming is not None:
                     flat[item.lo : item.hi].copy_(incoming)
-                elif self.in_place:
+                if index in self.forwards:
+                    self.outgoing[index] = message
+            elif item.action == REDUCE:
+                # A partial sum is only ever forwarded: reduce it straight into
+                # the message that carries it on. No backpressure here:
+                # waiting for our own sender while it waits for the right
+                # neighbour's receiver would close a cycle around the ring. The
+                # sender forwards in order, so at most one segment (1/world of
+                # the tensor) is held.
+                self.outgoing[index] = self._reduced_message(index, incoming, reduce)
+            elif incoming is not None:  # REDUCE_LAST: the finished segment
+                if self.in_place:
                     target = flat[item.lo : item.hi]
-                    reduce(target, incoming, target)
-                    if mean and item.action == REDUCE_LAST:
-                        target.div_(self.world)
-                elif item.action == REDUCE_LAST:
+                else:
                     assert job.out is not None
                     target = job.out[item.lo - job.out_offset : item.hi - job.out_offset]
-                    reduce(flat[item.lo : item.hi], incoming, target)
-                    if mean:
-                        target.div_(self.world)
-                else:
-                    # Out of place: hold the partial sum until it is forwarded.
-                    # No backpressure here: waiting for our own sender while it
-                    # waits for the right neighbour's receiver would close a
-                    # cycle around the ring. The sender forwards in order, so
-                    # at most one segment (1/world of the tensor) is held.
-                    self.scratch[index] = torch.empty(item.hi - item.lo, dtype=dtype)
-                    reduce(flat[item.lo : item.hi], incoming, self.scratch[index])
-            elif not self.in_place and item.action != COPY and item.action != REDUCE_LAST:
-                self.scratch[index] = flat[item.lo : item.hi]
+                reduce(flat[item.lo : item.hi], incoming, target)
+                if mean:
+                    target.div_(self.world)
             if stage is not None and item.action != REDUCE:
                 stage.final(item.lo, item.hi)
             peer.stats.bytes_received += nbytes
