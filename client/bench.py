@@ -2,7 +2,9 @@
 
 Prints an nccl-tests style table per world size: size, time, algbw, busbw for
 both, the ferrogrpc/gloo busbw ratio, and each rank's peak extra RSS during
-the ferrogrpc collective as a fraction of the tensor size.
+the ferrogrpc collective as a fraction of the tensor size. The
+implementations take turns, one iteration each, so that the shared machine's
+slow and fast spells fall on all of them alike.
 
     python -m client.bench --world-sizes 2 4 --min-size 1M --max-size 256M --iters 5
 """
@@ -40,51 +42,64 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class PeakRss:
-    """Samples this process's RSS on a thread while a block runs."""
+class RssSampler:
+    """Samples this process's RSS on a thread; ``window()`` reports the peak
+    seen while its block ran."""
 
     def __init__(self, interval: float = 0.0005) -> None:
         self.interval = interval
-        self.base = 0
-        self.peak = 0
+        self._peak = 0
+        self._active = threading.Event()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> PeakRss:
-        self.base = self.peak = _rss_bytes()
-        self._stop.clear()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
-        return self
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_bytes())
-            time.sleep(self.interval)
+            if self._active.wait(0.05):
+                self._peak = max(self._peak, _rss_bytes())
+                time.sleep(self.interval)
 
-    def __exit__(self, *exc: object) -> None:
+    def window(self, fn: Callable[[], Any]) -> int:
+        """Run ``fn``; return the peak RSS seen meanwhile."""
+        self._peak = _rss_bytes()
+        self._active.set()
+        try:
+            fn()
+        finally:
+            self._active.clear()
+        return max(self._peak, _rss_bytes())
+
+    def close(self) -> None:
         self._stop.set()
-        assert self._thread is not None
         self._thread.join()
-        self.peak = max(self.peak, _rss_bytes())
-
-    @property
-    def extra(self) -> int:
-        return self.peak - self.base
 
 
-def _time_op(
-    fn: Callable[[], Any], barrier: Callable[[], None], iters: int, warmup: int
-) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
+def _time_interleaved(
+    ops: dict[str, Callable[[], Any]],
+    barrier: Callable[[], None],
+    iters: int,
+    warmup: int,
+    rss: RssSampler,
+) -> dict[str, dict[str, Any]]:
+    """Time every implementation, one iteration of each in turn, so that the
+    shared machine's slow and fast spells fall on all of them alike. Extra
+    RSS is the peak during an implementation's calls (warm-up included) over
+    the RSS before its first call."""
+    base = {}
+    peak = {}
+    for name, fn in ops.items():
         barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
+        base[name] = _rss_bytes()
+        peak[name] = max(rss.window(fn) for _ in range(warmup)) if warmup else base[name]
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(iters):
+        for name, fn in ops.items():
+            barrier()
+            start = time.perf_counter()
+            peak[name] = max(peak[name], rss.window(fn))
+            times[name].append(time.perf_counter() - start)
+    return {name: {"times": times[name], "rss_extra": peak[name] - base[name]} for name in ops}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -104,32 +119,40 @@ def worker(args: argparse.Namespace) -> None:
     )
     backend = fg.init_backend(checksum=not args.no_checksum)
     crc = backend.peer.checksum
+    rss = RssSampler()
     rows = []
     for size in args.sizes:
         numel = size // 4
+        tensors = {impl: torch.ones(numel, dtype=torch.float32) for impl in IMPLS}
+
+        def gloo_op(t: torch.Tensor = tensors["gloo"]) -> None:
+            dist.all_reduce(t)
+
+        def fg_op(impl: str, t: torch.Tensor) -> Callable[[], None]:
+            checksum = None if impl == NO_CRC else crc
+
+            def op() -> None:
+                # Every rank switches between the same collectives, in turn.
+                backend.peer.checksum = checksum
+                backend.all_reduce(t)
+
+            return op
+
+        ops = {
+            "gloo": gloo_op,
+            "ferrogrpc": fg_op("ferrogrpc", tensors["ferrogrpc"]),
+            NO_CRC: fg_op(NO_CRC, tensors[NO_CRC]),
+        }
+        measured = _time_interleaved(ops, dist.barrier, args.iters, args.warmup, rss)
+        expected = float(world ** (args.iters + args.warmup))
         result: dict[str, Any] = {"size": size}
         for impl in IMPLS:
-            t = torch.ones(numel, dtype=torch.float32)
-            if impl == "gloo":
-
-                def op(t: torch.Tensor = t) -> None:
-                    dist.all_reduce(t)
-
-            else:
-                # Every rank switches between the same two collectives.
-                backend.barrier()
-                backend.peer.checksum = None if impl == NO_CRC else crc
-
-                def op(t: torch.Tensor = t) -> None:
-                    backend.all_reduce(t)
-
-            with PeakRss() as rss:
-                times = _time_op(op, dist.barrier, args.iters, args.warmup)
-            expected = float(world ** (args.iters + args.warmup))
+            t = tensors[impl]
             ok = bool(t[0].item() == expected and t[-1].item() == expected)
-            result[impl] = {"times": times, "rss_extra": rss.extra, "ok": ok}
-            del t
+            result[impl] = {**measured[impl], "ok": ok}
+        del tensors
         rows.append(result)
+    rss.close()
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, rows)
     if rank == 0:
@@ -167,8 +190,8 @@ def report(world: int, per_rank: list[list[dict[str, Any]]]) -> str:
     factor = 2.0 * (world - 1) / world
     iters = len(per_rank[0][0]["gloo"]["times"])
     lines = [
-        f"# all_reduce float32, world_size {world}, median of {iters} iterations "
-        "(time = slowest rank); ferrogrpc with CRC32C on (default) and off",
+        f"# all_reduce float32, world_size {world}, median of {iters} interleaved iterations "
+        "(time = slowest rank); ferrogrpc with its checksum (CRC-32) on (default) and off",
         f"{'size':>8} {'gloo ms':>8} {'gloo busbw':>10} {'fg ms':>8} {'fg algbw':>8} "
         f"{'fg busbw':>8} {'fg/gloo':>7} {'nocrc busbw':>11} {'nocrc/gloo':>10} "
         f"{'peak RSS/size':>13} {'ok':>3}",
@@ -203,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--no-checksum", action="store_true", help="turn chunk CRC32C off")
+    parser.add_argument("--no-checksum", action="store_true", help="turn the chunk checksum off")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gloo-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -316,7 +316,7 @@ def init_backend(
     bind_host: str | None = None,
     advertise_host: str | None = None,
     port: int | None = None,
-    checksum: bool | None = None,
+    checksum: bool | str | None = None,
     tls: TLSConfig | None = None,
     token: str | None = None,
 ) -> Backend:
@@ -338,7 +338,9 @@ def init_backend(
     Security: ``tls`` (or ``FERROGRPC_TLS_CERT``/``_KEY``/``_CA``) turns on
     mutual TLS between peers; ``token`` (or ``FERROGRPC_TOKEN``) makes every
     peer refuse RPCs that do not carry the shared token. Chunks carry a
-    CRC32C unless ``checksum=False`` (``FERROGRPC_CHECKSUM=0``).
+    CRC-32 unless ``checksum=False`` (``FERROGRPC_CHECKSUM=0``);
+    ``checksum="crc32c"`` picks CRC32C instead (all ranks must agree; a
+    ConfigError names an unknown choice).
 
     Returns once every rank has joined and the ring has passed a barrier.
     Raises RendezvousError or CollectiveTimeoutError if that does not happen

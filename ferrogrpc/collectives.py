@@ -23,6 +23,7 @@ import torch
 
 from . import schedule, wire
 from .errors import CollectiveTimeoutError, FerroGrpcError, PeerError, ProtocolError
+from .integrity import checksum_name
 from .ops import ReduceOp, kind_name, wire_dtype_name, wire_op_name
 from .schedule import COPY, REDUCE, LanePlan
 from .staging import Stage
@@ -71,6 +72,9 @@ _REDUCERS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], o
     ReduceOp.MAX: lambda a, b, out: torch.maximum(a, b, out=out),
     ReduceOp.MIN: lambda a, b, out: torch.minimum(a, b, out=out),
 }
+
+# Forwarded messages a lane may hold ready for its sender (see LaneRunner).
+HELD_MESSAGES = 3
 
 # How long a failing rank tries to hand its right neighbour the cause in band.
 ABORT_WRITE_S = 0.5
@@ -138,7 +142,11 @@ class LaneRunner:
         # Messages ready to forward, by receive index: a received chunk that is
         # copied travels on unchanged (its header names where it came from
         # and carries its verified checksum); a partial sum is reduced
-        # straight into the message that carries it on.
+        # straight into the message that carries it on. That saves the copy
+        # into a new message at send time, but holds the message until the
+        # sender gets to it; so only while the sender keeps up (at most
+        # HELD_MESSAGES waiting). Beyond that, results go to the tensor and
+        # the sender frames them from there, as for its own data.
         self.outgoing: dict[int, bytes] = {}
         # For each receive index that is forwarded, the send item forwarding it.
         self.forwards = {item.from_recv: item for item in plan.sends if item.from_recv >= 0}
@@ -277,8 +285,8 @@ class LaneRunner:
                 header.chunk_index = item.chunk
                 header.offset = item.lo
                 if checksum is not None:
-                    header.crc32c = checksum(payload)
-                    header.has_crc = True
+                    header.checksum = checksum(payload)
+                    header.has_checksum = True
                 message = wire.encode(header, payload)
             await self._write(stream, message, item.step)
             peer.stats.bytes_sent += (item.hi - item.lo) * itemsize
@@ -344,14 +352,14 @@ class LaneRunner:
         header.offset = send.lo
         checksum = self.peer.checksum
         if checksum is not None:
-            header.has_crc = True
-            header.crc32c = 0xFFFFFFFF  # the longest encoding, for the bound
+            header.has_checksum = True
+            header.checksum = 0xFFFFFFFF  # the longest encoding, for the bound
         frame = wire.Frame(header, (send.hi - send.lo) * self.itemsize)
         local = self.job.buffer[send.lo : send.hi]
         if incoming is not None:
             reduce(local, incoming, frame.payload(local.dtype))
         if checksum is not None:
-            header.crc32c = checksum(frame.view())
+            header.checksum = checksum(frame.view())
         return frame.seal(header)
 
     async def _consume(self, stream: InStream) -> None:
@@ -404,30 +412,37 @@ class LaneRunner:
                     f"at step {item.step}",
                     self.left,
                 )
-            if checksum is not None and (not header.has_crc or checksum(payload) != header.crc32c):
+            if checksum is not None and (
+                not header.has_checksum or checksum(payload) != header.checksum
+            ):
                 raise self._error(
                     ProtocolError,
                     f"chunk {item.chunk} of step {item.step} from rank {self.left} "
-                    f"({peer.address_of(self.left)}) failed its CRC32C check: corrupted in "
-                    "flight; it was discarded",
+                    f"({peer.address_of(self.left)}) failed its {checksum_name(checksum)} "
+                    "check: corrupted in flight; it was discarded",
                     self.left,
                 )
             if stage is not None:
                 await stage.ready(item.lo, item.hi)
             incoming = torch.frombuffer(payload, dtype=dtype) if nbytes else None
+            # No backpressure from our own sender here: waiting for it while
+            # it waits for the right neighbour's receiver would close a cycle
+            # around the ring.
+            hold = index in self.forwards and len(self.outgoing) < HELD_MESSAGES
             if item.action == COPY:
                 if incoming is not None:
                     flat[item.lo : item.hi].copy_(incoming)
-                if index in self.forwards:
+                if hold:
                     self.outgoing[index] = message
-            elif item.action == REDUCE:
-                # A partial sum is only ever forwarded: reduce it straight into
-                # the message that carries it on. No backpressure here:
-                # waiting for our own sender while it waits for the right
-                # neighbour's receiver would close a cycle around the ring. The
-                # sender forwards in order, so at most one segment (1/world of
-                # the tensor) is held.
+            elif item.action == REDUCE and (hold or not self.in_place):
+                # A partial sum is only ever forwarded. Out of place there is
+                # nowhere else to keep it: the sender forwards in order, so at
+                # most one segment (1/world of the tensor) is held.
                 self.outgoing[index] = self._reduced_message(index, incoming, reduce)
+            elif item.action == REDUCE:
+                if incoming is not None:
+                    target = flat[item.lo : item.hi]
+                    reduce(target, incoming, target)
             elif incoming is not None:  # REDUCE_LAST: the finished segment
                 if self.in_place:
                     target = flat[item.lo : item.hi]

@@ -159,7 +159,7 @@ class Peer(StreamHandler):
         advertise_host: str | None = None,
         timeouts: Timeouts | None = None,
         chunk_policy: ChunkPolicy | None = None,
-        checksum: Callable[[memoryview], int] | bool | None = True,
+        checksum: Callable[[memoryview], int] | bool | str | None = True,
         tls: TLSConfig | None = None,
         token: str | None = None,
     ) -> Peer:
@@ -171,14 +171,13 @@ class Peer(StreamHandler):
         RendezvousError if the group is not complete within the connect
         timeout. ``tls`` (mutual TLS) and ``token`` (shared-token
         authentication) secure the default gRPC transport. ``checksum``
-        (default on: CRC32C) guards every chunk; all ranks must agree.
+        (default on: CRC-32; ``"crc32c"`` or a function of the payload bytes
+        otherwise) guards every chunk; all ranks must agree.
         """
-        from .integrity import default_checksum
+        from .integrity import resolve_checksum
 
-        if checksum is True:
-            checksum = default_checksum()
-        elif checksum is False:
-            checksum = None
+        if isinstance(checksum, (bool, str)):
+            checksum = resolve_checksum(checksum)
         from ._malloc import tune_allocator
         from .rendezvous import StoreRendezvous
 

@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 scripts/gpu_check.py            # two ranks share GPU 0
     PYTHONPATH=. python3 scripts/gpu_check.py --device cpu --quick   # smoke test
 
-Installs nothing: needs torch, grpcio and protobuf in python3 (numpy, crc32c
+Installs nothing: needs torch, grpcio and protobuf in python3 (numpy, isal
 and grpcio-health-checking are optional). Two processes at world size 2:
 
 1. every collective on CUDA tensors (several dtypes and sizes, a non-default

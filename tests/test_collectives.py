@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ferrogrpc as fg
+from ferrogrpc import collectives
 from tests.conformance import check_all_reduce, run_conformance
 from tests.helpers import reference_sum
 
@@ -24,6 +25,19 @@ async def test_conformance_every_dtype_and_shape(transport: str, world: int) -> 
     # Tiny chunks and lanes, so that even small tensors take many chunks,
     # several lanes and uneven segments.
     async with fg.testing.local_group(world, transport=transport, chunk_policy=SMALL) as peers:  # type: ignore[arg-type]
+        await run_conformance(peers, ALL_DTYPES)
+
+
+@pytest.mark.parametrize("held", [0, 1, 10_000])
+@pytest.mark.parametrize("world", [3, 5])
+async def test_conformance_whether_or_not_forwards_are_held(
+    held: int, world: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A lane keeps up to HELD_MESSAGES forwarded messages ready for its
+    # sender and writes the rest to the tensor; both paths, and their mix,
+    # give the same results.
+    monkeypatch.setattr(collectives, "HELD_MESSAGES", held)
+    async with fg.testing.local_group(world, chunk_policy=SMALL) as peers:
         await run_conformance(peers, ALL_DTYPES)
 
 

@@ -129,10 +129,10 @@ async def test_bad_arguments_raise_before_sending() -> None:
 
 
 async def test_checksum_algorithm_mismatch() -> None:
-    from ferrogrpc.integrity import crc32
+    from ferrogrpc.integrity import crc32c
 
     async with fg.testing.local_group(2, timeouts=fg.Timeouts(collective=20, idle=10)) as peers:
-        peers[1].checksum = crc32
+        peers[1].checksum = crc32c
         results = await asyncio.gather(
             *(p.all_reduce(torch.ones(8)) for p in peers), return_exceptions=True
         )

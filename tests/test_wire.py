@@ -32,13 +32,13 @@ def _check(message: bytes, header: pb.ChunkHeader, payload: bytes) -> None:
 @pytest.mark.parametrize("nbytes", [0, 4, 1000, 1 << 20])
 @pytest.mark.parametrize("crc", [None, 0, 1, 0xFFFFFFFF])
 def test_frame_payload_written_in_place_then_sealed(nbytes: int, crc: int | None) -> None:
-    bound = _header(has_crc=True, crc32c=0xFFFFFFFF)
+    bound = _header(has_checksum=True, checksum=0xFFFFFFFF)
     frame = wire.Frame(bound, nbytes)
     values = torch.arange(nbytes // 4, dtype=torch.float32) * 1.5 - 7
     if nbytes:
         torch.add(values, 0.0, out=frame.payload(torch.float32))
     assert bytes(frame.view()) == values.numpy().tobytes()
-    final = _header() if crc is None else _header(has_crc=True, crc32c=crc)
+    final = _header() if crc is None else _header(has_checksum=True, checksum=crc)
     message = frame.seal(final)
     _check(message, final, values.numpy().tobytes())
 
@@ -52,5 +52,5 @@ def test_frame_refuses_a_header_longer_than_its_bound() -> None:
 @pytest.mark.parametrize("nbytes", [0, 3, 4096])
 def test_encode_round_trips(nbytes: int) -> None:
     payload = bytes(range(256)) * (nbytes // 256) + bytes(nbytes % 256)
-    header = _header(has_crc=True, crc32c=12345)
+    header = _header(has_checksum=True, checksum=12345)
     _check(wire.encode(header, payload), header, payload)

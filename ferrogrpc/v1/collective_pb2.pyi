@@ -84,7 +84,7 @@ class Descriptor(_message.Message):
     def __init__(self, kind: _Optional[_Union[CollectiveKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., root: _Optional[int] = ..., world_size: _Optional[int] = ..., lanes: _Optional[int] = ..., chunk_elems: _Optional[int] = ..., checksum: _Optional[_Union[ChecksumKind, str]] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("group", "seq", "kind", "step", "src_rank", "chunk_index", "lane", "offset", "crc32c", "has_crc", "descriptor", "nonce", "abort")
+    __slots__ = ("group", "seq", "kind", "step", "src_rank", "chunk_index", "lane", "offset", "checksum", "has_checksum", "descriptor", "nonce", "abort")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -93,8 +93,8 @@ class ChunkHeader(_message.Message):
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
-    CRC32C_FIELD_NUMBER: _ClassVar[int]
-    HAS_CRC_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
@@ -106,12 +106,12 @@ class ChunkHeader(_message.Message):
     chunk_index: int
     lane: int
     offset: int
-    crc32c: int
-    has_crc: bool
+    checksum: int
+    has_checksum: bool
     descriptor: Descriptor
     nonce: str
     abort: Abort
-    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[CollectiveKind, str]] = ..., step: _Optional[int] = ..., src_rank: _Optional[int] = ..., chunk_index: _Optional[int] = ..., lane: _Optional[int] = ..., offset: _Optional[int] = ..., crc32c: _Optional[int] = ..., has_crc: _Optional[bool] = ..., descriptor: _Optional[_Union[Descriptor, _Mapping]] = ..., nonce: _Optional[str] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ...) -> None: ...
+    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[CollectiveKind, str]] = ..., step: _Optional[int] = ..., src_rank: _Optional[int] = ..., chunk_index: _Optional[int] = ..., lane: _Optional[int] = ..., offset: _Optional[int] = ..., checksum: _Optional[int] = ..., has_checksum: _Optional[bool] = ..., descriptor: _Optional[_Union[Descriptor, _Mapping]] = ..., nonce: _Optional[str] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "payload", "pad")
