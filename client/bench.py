@@ -75,31 +75,41 @@ class RssSampler:
         self._thread.join()
 
 
-def _time_interleaved(
+def _measure(
     ops: dict[str, Callable[[], Any]],
     barrier: Callable[[], None],
     iters: int,
     warmup: int,
     rss: RssSampler,
+    rss_of: str,
 ) -> dict[str, dict[str, Any]]:
-    """Time every implementation, one iteration of each in turn, so that the
-    shared machine's slow and fast spells fall on all of them alike. Extra
-    RSS is the peak during an implementation's calls (warm-up included) over
-    the RSS before its first call."""
-    base = {}
-    peak = {}
+    """Peak extra RSS of ``rss_of``, then times of every implementation.
+
+    Memory first, alone: ``rss_of``'s warm-up calls plus one more run before
+    anything else touches this size, and its extra RSS is the peak during
+    them over the RSS just before (the process heap is shared, so another
+    implementation's buffers would otherwise count). Then the timing, one
+    iteration of each implementation in turn, so that the shared machine's
+    slow and fast spells fall on all of them alike, with no sampler running.
+    """
+    barrier()
+    base = _rss_bytes()
+    peak = max(rss.window(ops[rss_of]) for _ in range(warmup + 1))
     for name, fn in ops.items():
         barrier()
-        base[name] = _rss_bytes()
-        peak[name] = max(rss.window(fn) for _ in range(warmup)) if warmup else base[name]
+        for _ in range(warmup if name != rss_of else 0):
+            fn()
     times: dict[str, list[float]] = {name: [] for name in ops}
     for _ in range(iters):
         for name, fn in ops.items():
             barrier()
             start = time.perf_counter()
-            peak[name] = max(peak[name], rss.window(fn))
+            fn()
             times[name].append(time.perf_counter() - start)
-    return {name: {"times": times[name], "rss_extra": peak[name] - base[name]} for name in ops}
+    return {
+        name: {"times": times[name], "rss_extra": peak - base if name == rss_of else 0}
+        for name in ops
+    }
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -143,11 +153,13 @@ def worker(args: argparse.Namespace) -> None:
             "ferrogrpc": fg_op("ferrogrpc", tensors["ferrogrpc"]),
             NO_CRC: fg_op(NO_CRC, tensors[NO_CRC]),
         }
-        measured = _time_interleaved(ops, dist.barrier, args.iters, args.warmup, rss)
-        expected = float(world ** (args.iters + args.warmup))
+        measured = _measure(ops, dist.barrier, args.iters, args.warmup, rss, "ferrogrpc")
+        calls = {impl: args.iters + args.warmup for impl in IMPLS}
+        calls["ferrogrpc"] += 1
         result: dict[str, Any] = {"size": size}
         for impl in IMPLS:
             t = tensors[impl]
+            expected = float(world ** calls[impl])
             ok = bool(t[0].item() == expected and t[-1].item() == expected)
             result[impl] = {**measured[impl], "ok": ok}
         del tensors
