@@ -29,10 +29,18 @@ class _Bucket:
     numel: int
     dtype: torch.dtype
     device: torch.device
-    buffer: torch.Tensor | None = None
+    # Two flat buffers, used in turn: after a sync every averaged ``.grad``
+    # is a view of the one just reduced, and the next step fills the other,
+    # so a failed all-reduce never touches the ``.grad`` tensors.
+    buffers: list[torch.Tensor | None] = dataclasses.field(default_factory=lambda: [None, None])
+    fill: int = 0
     pending: int = 0
     launched: bool = False
     work: Work[torch.Tensor] | None = None
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        return self.buffers[self.fill]
 
     def flags(self) -> torch.Tensor:
         assert self.buffer is not None
@@ -93,9 +101,15 @@ class DDP(nn.Module):
     on the backend as soon as its last gradient is in, while backward goes on.
     Buckets start strictly in bucket order, so every rank issues the same
     collectives in the same order. ``sync_gradients()`` then starts what is
-    left, waits, and writes the averaged gradients back. With
-    ``overlap=False``, ``sync_gradients()`` all-reduces the buckets one after
-    another after backward.
+    left and waits. With ``overlap=False``, ``sync_gradients()`` all-reduces
+    the buckets one after another after backward.
+
+    Gradients as bucket views: after a sync, each averaged ``.grad`` is a
+    view of its slice of the bucket, not a copy (like torch DDP's
+    ``gradient_as_bucket_view=True``). Each bucket has two buffers used in
+    turn, so the next step's all-reduce never writes the ``.grad`` tensors
+    the optimizer just read; a reference to a ``.grad`` kept across steps
+    goes stale once its buffer is refilled two steps later.
 
     Synchronization: construction (a model fingerprint check, ConfigError on
     every rank if the models differ), every ``sync_gradients()`` /
@@ -197,24 +211,33 @@ class DDP(nn.Module):
         return [list(b.names) for b in self._buckets]
 
     def _buffer(self, bucket: _Bucket) -> torch.Tensor:
-        if bucket.buffer is None:
+        buf = bucket.buffers[bucket.fill]
+        if buf is None:
             # Gradients, then one "had a gradient here" flag per parameter:
             # the flags ride along in the same all-reduce.
-            bucket.buffer = torch.zeros(
+            buf = torch.zeros(
                 bucket.numel + len(bucket.params), dtype=bucket.dtype, device=bucket.device
             )
-        return bucket.buffer
+            bucket.buffers[bucket.fill] = buf
+        return buf
 
     def _fill(self, bucket: _Bucket, i: int, p: nn.Parameter) -> None:
         buf = self._buffer(bucket)
         lo = bucket.offsets[i]
         view = buf[lo : lo + p.numel()]
-        if p.grad is None:
+        grad = p.grad
+        if grad is None:
             view.zero_()
             buf[bucket.numel + i] = 0
+            return
+        if grad.data_ptr() == view.data_ptr() and grad.numel():
+            # Still the view of this buffer from two syncs ago (no rank had a
+            # gradient for it in the last one): give it its own storage, so
+            # that the all-reduce cannot touch it if it fails.
+            p.grad = grad = grad.clone()
         else:
-            view.copy_(p.grad.detach().reshape(-1))
-            buf[bucket.numel + i] = 1
+            view.copy_(grad.detach().reshape(-1))
+        buf[bucket.numel + i] = 1
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.launched = True
@@ -264,20 +287,17 @@ class DDP(nn.Module):
                 work.wait()
         finally:
             self._reset()
-        # Every bucket succeeded: only now touch .grad.
-        with torch.no_grad():
-            for bucket in self._buckets:
-                buf = self._buffer(bucket)
-                flags = bucket.flags().tolist()
-                for i, p in enumerate(bucket.params):
-                    if flags[i] <= 0:
-                        continue  # no rank had a gradient: leave .grad alone
-                    lo = bucket.offsets[i]
-                    value = buf[lo : lo + p.numel()].view(p.shape)
-                    if p.grad is None:
-                        p.grad = value.clone()
-                    else:
-                        p.grad.copy_(value)
+        # Every bucket succeeded: only now touch .grad, which becomes a view
+        # of the reduced buffer (no copy); the next step fills the other one.
+        for bucket in self._buckets:
+            buf = self._buffer(bucket)
+            flags = bucket.flags().tolist()
+            for i, p in enumerate(bucket.params):
+                if flags[i] <= 0:
+                    continue  # no rank had a gradient: leave .grad alone
+                lo = bucket.offsets[i]
+                p.grad = buf[lo : lo + p.numel()].view(p.shape)
+            bucket.fill ^= 1
 
     def _reset(self) -> None:
         self._ready.clear()

@@ -5,6 +5,7 @@ with the original cause and closes cleanly. Plus: a failed DDP sync leaves
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -159,6 +160,66 @@ def test_failed_ddp_sync_leaves_grad_untouched(report: Callable[[str], None]) ->
         b0.all_reduce(torch.ones(3))
     b0.close()
     b0.close()  # idempotent
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        out = self.a(x)
+        return out + self.b(x) if use_b else out
+
+
+class _FailedWork:
+    def wait(self, timeout: float | None = None) -> None:
+        raise fg.PeerError("injected failure", rank=0, world_size=1, op="all_reduce")
+
+
+def _fails_midway(tensor: torch.Tensor, *args: object, **kwargs: object) -> _FailedWork:
+    tensor.fill_(float("nan"))  # a failed collective leaves its tensor unspecified
+    return _FailedWork()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("restore_old_view", [False, True])
+def test_ddp_failure_after_partial_writes_leaves_grad_view_untouched(
+    restore_old_view: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # After a sync every .grad is a view of a bucket buffer, and buffers
+    # alternate: an all-reduce that fails after writing part of its tensor
+    # must leave every .grad as it was. Also when the user puts back a .grad
+    # kept from two syncs ago, which is a view of the buffer being refilled.
+    backend = fg.init_backend(0, 1, "127.0.0.1", free_port())
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    ddp = fg.DDP(model, backend)
+    x = torch.randn(2, 4)
+    ddp(x, True).sum().backward()
+    ddp.sync_gradients()  # views of buffer 0
+    kept = model.b.weight.grad
+    ddp(x, True).sum().backward()
+    ddp.sync_gradients()  # views of buffer 1
+    if restore_old_view:
+        model.b.weight.grad = kept  # a view of buffer 0, which the next step fills
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # The next backward accumulates one more step's gradient into head a.
+    reference = copy.deepcopy(model)
+    reference.zero_grad()
+    reference(x, False).sum().backward()
+    for name, p in reference.named_parameters():
+        if name.startswith("a."):
+            assert p.grad is not None
+            expected[name] = expected[name] + p.grad
+    monkeypatch.setattr(backend, "all_reduce", _fails_midway)
+    ddp(x, False).sum().backward()  # fills buffer 0; its all-reduce starts and fails
+    with pytest.raises(fg.PeerError, match="injected"):
+        ddp.sync_gradients()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.equal(p.grad, expected[name]), name
+    backend.close()
 
 
 def _fds() -> int:
