@@ -6,7 +6,17 @@ DistributedDataParallel / FSDP2 (``fully_shard``) on gloo, in the same run.
 
 The model is an MLP of about 25M float32 parameters; each rank trains on its
 own batch. Step time = forward + backward + gradient sync + optimizer step,
-median over the timed steps, slowest rank.
+median over the timed steps, slowest rank. The implementations take turns,
+one step each, so that the shared machine's slow and fast spells fall on all
+of them alike; "no communication" is one rank's model trained alone, the
+floor for the others.
+
+``--device-ms N`` adds N ms after each layer, in forward and in backward,
+during which the CPU is free, as it is while a GPU computes: communication
+can overlap only with time like that, since on a CPU-only machine backward
+already keeps every core busy.
+
+    python -m client.bench_train --wrapper ddp --device-ms 20
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ from client.bench import collect
 from ferrogrpc.launch import free_port, spawn_ranks
 
 
-def build_model(width: int, depth: int) -> Any:
+def build_model(width: int, depth: int, device_ms: float = 0.0) -> Any:
     import torch
     from torch import nn
 
@@ -32,7 +42,43 @@ def build_model(width: int, depth: int) -> Any:
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.ReLU()]
     layers.append(nn.Linear(width, 1024))
+    if device_ms > 0:
+        # After each layer, a wait in forward and in backward during which
+        # the CPU is free: what a GPU computing the layer looks like to the
+        # host. Communication can only hide behind time like this.
+        layers = [m for layer in layers for m in (layer, DeviceTime(device_ms / 1e3))]
     return nn.Sequential(*layers)
+
+
+def _device_time_cls() -> Any:
+    import torch
+    from torch import nn
+
+    class _Wait(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any, seconds: float) -> Any:
+            ctx.seconds = seconds
+            time.sleep(seconds)
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            time.sleep(ctx.seconds)
+            return grad, None
+
+    class DeviceTime(nn.Module):
+        def __init__(self, seconds: float) -> None:
+            super().__init__()
+            self.seconds = seconds
+
+        def forward(self, x: Any) -> Any:
+            return _Wait.apply(x, self.seconds)
+
+    return DeviceTime
+
+
+def DeviceTime(seconds: float) -> Any:  # noqa: N802 - a module factory
+    return _device_time_cls()(seconds)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -52,49 +98,59 @@ def worker(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, 1024, generator=gen)
     y = torch.randn(args.batch, 1024, generator=gen)
-    results: dict[str, Any] = {}
 
-    def time_steps(name: str, model: nn.Module, step_fn: Any) -> None:
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        times = []
-        for i in range(args.warmup + args.steps):
-            dist.barrier()
-            start = time.perf_counter()
-            opt.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            step_fn()
-            opt.step()
-            if i >= args.warmup:
-                times.append(time.perf_counter() - start)
-        results[name] = times
+    def model() -> nn.Module:
+        return build_model(args.width, args.depth, args.device_ms)
 
-    params = sum(p.numel() for p in build_model(args.width, args.depth).parameters())
+    # name -> (module, gradient sync after backward)
+    candidates: dict[str, tuple[nn.Module, Any]] = {}
     if args.wrapper == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        torch_ddp = DistributedDataParallel(build_model(args.width, args.depth))
-        time_steps("torch DDP (gloo)", torch_ddp, lambda: None)
-        del torch_ddp
+        candidates["torch DDP (gloo)"] = (DistributedDataParallel(model()), None)
         for overlap in (True, False):
-            ddp = fg.DDP(build_model(args.width, args.depth), backend, overlap=overlap)
-            time_steps(
-                f"ferrogrpc DDP overlap={'on' if overlap else 'off'}", ddp, ddp.sync_gradients
-            )
-            ddp.into_inner()
-            del ddp
+            ddp = fg.DDP(model(), backend, overlap=overlap)
+            name = f"ferrogrpc DDP overlap={'on' if overlap else 'off'}"
+            candidates[name] = (ddp, ddp.sync_gradients)
     else:
         from torch.distributed.fsdp import fully_shard
 
-        model = build_model(args.width, args.depth)
-        for layer in model:
+        sharded = model()
+        for layer in sharded:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
-        fully_shard(model)
-        time_steps("torch FSDP2 fully_shard (gloo)", model, lambda: None)
-        del model
-        fsdp = fg.FSDP(build_model(args.width, args.depth), backend)
-        time_steps("ferrogrpc FSDP", fsdp, fsdp.sync_gradients)
+        fully_shard(sharded)
+        candidates["torch FSDP2 fully_shard (gloo)"] = (sharded, None)
+        fsdp = fg.FSDP(model(), backend)
+        candidates["ferrogrpc FSDP"] = (fsdp, fsdp.sync_gradients)
+    candidates["no communication (one rank's model alone)"] = (model(), None)
+    optimizers = {
+        name: torch.optim.SGD(module.parameters(), lr=1e-3)
+        for name, (module, _) in candidates.items()
+    }
+
+    def step(name: str) -> float:
+        module, sync = candidates[name]
+        opt = optimizers[name]
+        dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad()
+        nn.functional.mse_loss(module(x), y).backward()
+        if sync is not None:
+            sync()
+        opt.step()
+        return time.perf_counter() - start
+
+    for name in candidates:
+        for _ in range(args.warmup):
+            step(name)
+    # One step of each in turn, so that the shared machine's slow and fast
+    # spells fall on all of them alike.
+    results: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(args.steps):
+        for name in candidates:
+            results[name].append(step(name))
+    params = sum(p.numel() for p in build_model(args.width, args.depth).parameters())
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -114,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--device-ms",
+        type=float,
+        default=0.0,
+        help="simulate device compute: after each layer, wait this long in forward and in "
+        "backward with the CPU free (as a GPU would leave it)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gloo-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -123,12 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "client.bench_train", "--worker", "--gloo-port", str(free_port())]
     cmd += ["--wrapper", args.wrapper, "--width", str(args.width), "--depth", str(args.depth)]
     cmd += ["--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd += ["--device-ms", str(args.device_ms)]
     data = collect(spawn_ranks(args.world_size, cmd, OMP_NUM_THREADS="1"), 1800, "bench_train")
     ranks = data["ranks"]
     print(
         f"# {args.wrapper.upper()} step time, MLP {data['params'] / 1e6:.1f}M float32 params, "
-        f"world_size {args.world_size}, batch {args.batch}/rank, median of {args.steps} steps "
-        "(slowest rank)"
+        f"world_size {args.world_size}, batch {args.batch}/rank, median of {args.steps} "
+        "interleaved steps (slowest rank)"
+        + (f", simulated device time {args.device_ms:g} ms per layer" if args.device_ms else "")
     )
     names = list(ranks[0])
     medians = {

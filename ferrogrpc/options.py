@@ -106,12 +106,13 @@ class ChunkPolicy:
     - ``window``: chunks buffered per stream by the in-memory transport (the
       gRPC transport is bounded by HTTP/2 flow control).
 
-    Left as None, chunk size and lanes follow the world size, as measured on
-    the 2-core reference machine (BENCHMARKS.md): at world size 2, 1 MiB
-    chunks on 4 lanes (parallel streams hide per-message latency); beyond,
-    4 MiB chunks on one lane (per-message cost dominates once ranks share
-    cores). Every rank must use the same policy; a difference is a
-    ProtocolError.
+    Left as None, chunks are 1 MiB at world size 2 and 4 MiB beyond, on one
+    lane, as measured on the 2-core reference machine with the choices
+    interleaved in one run (BENCHMARKS.md): each extra stream costs thread
+    wake-ups for every message, which cost more than the parallelism gains
+    (1 MiB on 4 lanes took 16-21% longer at world size 2). More lanes can
+    pay off where cores are plentiful. Every rank must use the same policy;
+    a difference is a ProtocolError.
     """
 
     chunk_bytes: int | None = None
@@ -135,7 +136,7 @@ class ChunkPolicy:
         chunk = (
             self.chunk_bytes if self.chunk_bytes is not None else (1 << 20 if small else 4 << 20)
         )
-        lanes = self.max_lanes if self.max_lanes is not None else (4 if small else 1)
+        lanes = self.max_lanes if self.max_lanes is not None else 1
         return chunk, lanes
 
     @classmethod
