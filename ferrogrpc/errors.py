@@ -40,6 +40,9 @@ class FerroGrpcError(Exception):
         # True when this error may be the echo of a failure another rank
         # found (a stream it failed on purpose), whose report may follow.
         self.echo = False
+        # True when it carries another rank's report rather than what this
+        # rank found itself.
+        self.reported = False
 
     def prefix(self) -> str:
         parts: list[str] = []

@@ -276,6 +276,7 @@ class Peer(StreamHandler):
         culprit = exc.peer if exc.peer is not None else peer
         err = self.error(type(exc), exc.message, op=op, seq=seq, peer=culprit)
         err.echo = exc.echo
+        err.reported = exc.reported
         return err
 
     def _check_open(self) -> None:
@@ -367,13 +368,15 @@ class Peer(StreamHandler):
         cls = ERROR_CLASSES.get(abort.error, PeerError)
         culprit = abort.culprit if 0 <= abort.culprit < self.world_size else None
         op = self._ops.get(abort.seq)
-        return self.error(
+        err = self.error(
             cls,
             f"rank {abort.from_rank} reported: {abort.message}",
             op=op.name if op else None,
             seq=abort.seq,
             peer=culprit,
         )
+        err.reported = True
+        return err
 
     def abort_message(self, err: FerroGrpcError) -> pb.Abort:
         return pb.Abort(
@@ -505,6 +508,12 @@ class Peer(StreamHandler):
                 async with asyncio.timeout(ECHO_GRACE_S):
                     await self._broken_event.wait()
         err = self.contextualize(exc, job.name, job.seq, None)
+        if not err.echo and not err.reported and err.seq == job.seq:
+            # What this rank found itself in this collective (a checksum or
+            # header failure, a stuck neighbour) is its account, even when
+            # another rank's relay of that same finding arrived first.
+            self._break(err, broadcast=True)
+            return err
         if self._broken is not None:
             broken = self._broken
             if broken.seq == job.seq or broken.op is None:

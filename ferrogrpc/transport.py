@@ -97,11 +97,13 @@ def _peer_error(exc: BaseException, dst: int, address: str, what: str) -> FerroG
         if reported is not None:
             # The receiver failed the stream on purpose and said why.
             culprit = int(trailing.get(CULPRIT_KEY, dst))
-            return reported(
+            relayed = reported(
                 f"rank {dst} reported: {details}",
                 peer=culprit if culprit >= 0 else None,
                 peer_address=address if culprit == dst else None,
             )
+            relayed.reported = True
+            return relayed
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return ProtocolError(details, peer=dst, peer_address=address)
         if code == grpc.StatusCode.UNAUTHENTICATED:
