@@ -154,6 +154,31 @@ class Backend:
         self._check()
         return self._submit(self._peer.all_reduce(tensor, op), "all_reduce", async_op)
 
+    def _all_reduce_after(
+        self, tensor: torch.Tensor, op: ReduceOp | str, after: Work[Any] | None
+    ) -> Work[torch.Tensor]:
+        """``all_reduce(async_op=True)`` whose transfer starts only once
+        ``after`` has finished (either way). Its sequence number is taken now,
+        so the order across ranks is the call order. DDP runs its buckets one
+        at a time this way: collectives in flight together cost more CPU (a
+        thread wake-up per message per stream) than they save."""
+        self._check()
+        coro = self._peer.all_reduce(tensor, op)
+        previous = after._future if after is not None else None
+
+        async def run() -> torch.Tensor:
+            if previous is not None:
+                await asyncio.wait([asyncio.wrap_future(previous)])
+            return await coro
+
+        try:
+            work = self._submit(run(), "all_reduce", True)
+        except BaseException:
+            coro.close()
+            raise
+        assert isinstance(work, Work)
+        return work
+
     @overload
     def all_gather(
         self, tensor: torch.Tensor, *, async_op: Literal[False] = ...

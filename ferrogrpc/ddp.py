@@ -8,7 +8,7 @@ import dataclasses
 import json
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -157,6 +157,7 @@ class DDP(nn.Module):
                 self._slot[id(p)] = (bucket, i)
         self._ready: set[int] = set()
         self._next_launch = 0
+        self._last_work: Work[torch.Tensor] | None = None
         if overlap:
             for bucket in self._buckets:
                 for p in bucket.params:
@@ -239,9 +240,15 @@ class DDP(nn.Module):
             view.copy_(grad.detach().reshape(-1))
         buf[bucket.numel + i] = 1
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: _Bucket, *, chain: bool) -> None:
         bucket.launched = True
-        bucket.work = self._backend.all_reduce(self._buffer(bucket), "mean", async_op=True)
+        buf = self._buffer(bucket)
+        if chain:
+            # One bucket at a time, each starting when the previous is done.
+            bucket.work = self._backend._all_reduce_after(buf, "mean", self._last_work)
+        else:
+            bucket.work = self._backend.all_reduce(buf, "mean", async_op=True)
+        self._last_work = bucket.work
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self._sync_enabled:
@@ -264,20 +271,24 @@ class DDP(nn.Module):
                 nxt = self._buckets[self._next_launch]
                 if nxt.pending > 0:
                     break
-                self._launch(nxt)
+                self._launch(nxt, chain=True)
                 self._next_launch += 1
 
     # ---------------------------------------------------------------- sync
 
-    def _finish(self, *, concurrent: bool) -> None:
+    def _finish(self, mode: Literal["in_turn", "chained", "concurrent"]) -> None:
+        """Start the buckets not yet started and wait for all: ``in_turn``
+        waits for each before starting the next, ``chained`` queues each
+        behind the previous (as the overlap hooks do), ``concurrent`` starts
+        them all at once."""
         with self._lock:
             for bucket in self._buckets:
                 if not bucket.launched:
                     for i, p in enumerate(bucket.params):
                         if id(p) not in self._ready:
                             self._fill(bucket, i, p)
-                    self._launch(bucket)
-                    if not concurrent:
+                    self._launch(bucket, chain=mode == "chained")
+                    if mode == "in_turn":
                         assert bucket.work is not None
                         bucket.work.wait()
             works = [b.work for b in self._buckets]
@@ -302,6 +313,7 @@ class DDP(nn.Module):
     def _reset(self) -> None:
         self._ready.clear()
         self._next_launch = 0
+        self._last_work = None
         for bucket in self._buckets:
             bucket.pending = len(bucket.params)
             bucket.launched = False
@@ -313,15 +325,16 @@ class DDP(nn.Module):
 
         With overlap on, this waits for the buckets already started during
         backward and starts the rest; with overlap off, it all-reduces the
-        buckets one after another. On failure it raises and leaves every
+        buckets one after another. Either way one bucket is on the wire at a
+        time, in bucket order. On failure it raises and leaves every
         ``.grad`` as it was.
         """
-        self._finish(concurrent=self.overlap)
+        self._finish("chained" if self.overlap else "in_turn")
 
     def overlapped_sync_gradients(self) -> None:
         """Like :meth:`sync_gradients`, but starts every remaining bucket at
         once and then waits for all of them."""
-        self._finish(concurrent=True)
+        self._finish("concurrent")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

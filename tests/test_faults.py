@@ -214,6 +214,7 @@ def test_ddp_failure_after_partial_writes_leaves_grad_view_untouched(
             assert p.grad is not None
             expected[name] = expected[name] + p.grad
     monkeypatch.setattr(backend, "all_reduce", _fails_midway)
+    monkeypatch.setattr(backend, "_all_reduce_after", _fails_midway)
     ddp(x, False).sum().backward()  # fills buffer 0; its all-reduce starts and fails
     with pytest.raises(fg.PeerError, match="injected"):
         ddp.sync_gradients()
