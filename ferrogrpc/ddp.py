@@ -185,13 +185,13 @@ class DDP(nn.Module):
                 raise ConfigError(f"DDP: parameter {name} has unsupported dtype {p.dtype}")
         buckets: list[_Bucket] = []
         open_buckets: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
-        for name, p in reversed(named):
+        limit = self.bucket_size_bytes
+
+        def place(name: str, p: nn.Parameter) -> None:
             key = (p.dtype, p.device)
             nbytes = p.numel() * p.element_size()
             bucket = open_buckets.get(key)
-            if bucket is not None and (
-                bucket.numel * p.element_size() + nbytes > self.bucket_size_bytes
-            ):
+            if bucket is not None and bucket.numel * p.element_size() + nbytes > limit:
                 bucket = None
             if bucket is None:
                 bucket = _Bucket(len(buckets), [], [], [], 0, p.dtype, p.device)
@@ -201,8 +201,36 @@ class DDP(nn.Module):
             bucket.params.append(p)
             bucket.offsets.append(bucket.numel)
             bucket.numel += p.numel()
-            if nbytes >= self.bucket_size_bytes:
+            if nbytes >= limit:
                 del open_buckets[key]
+
+        # A module's own parameters get their gradients together (one
+        # backward node makes a Linear's weight and bias gradients), so they
+        # are placed as a unit: a unit that does not fit the open bucket
+        # starts a new one, rather than holding that bucket back until the
+        # unit's layer is done; and a unit larger than a bucket closes its
+        # last bucket, so the next layer's gradients do not wait on it.
+        units: list[list[tuple[str, nn.Parameter]]] = []
+        for name, p in reversed(named):
+            owner = name.rpartition(".")[0]
+            if units and units[-1][0][0].rpartition(".")[0] == owner:
+                units[-1].append((name, p))
+            else:
+                units.append([(name, p)])
+        for unit in units:
+            sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+            for _, p in unit:
+                key = (p.dtype, p.device)
+                sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
+            for key, total in sizes.items():
+                bucket = open_buckets.get(key)
+                if bucket is not None and bucket.numel * key[0].itemsize + total > limit:
+                    del open_buckets[key]
+            for name, p in unit:
+                place(name, p)
+            for key, total in sizes.items():
+                if total > limit:
+                    open_buckets.pop(key, None)
         for bucket in buckets:
             bucket.pending = len(bucket.params)
         return buckets
