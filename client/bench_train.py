@@ -123,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
         candidates["torch FSDP2 fully_shard (gloo)"] = (sharded, None)
         fsdp = fg.FSDP(model(), backend)
         candidates["ferrogrpc FSDP"] = (fsdp, fsdp.sync_gradients)
-    candidates["no communication (one rank's model alone)"] = (model(), None)
+    candidates["no communication (local model)"] = (model(), None)
     optimizers = {
         name: torch.optim.SGD(module.parameters(), lr=1e-3)
         for name, (module, _) in candidates.items()
@@ -201,9 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in names
     }
     base = medians[names[0]]
-    print(f"{'implementation':<36} {'step ms':>9} {'vs ' + names[0].split(' (')[0]:>18}")
+    width = max(len(name) for name in names)
+    print(f"{'implementation':<{width}} {'step ms':>9}  vs {names[0]}")
     for name in names:
-        print(f"{name:<36} {medians[name] * 1e3:9.1f} {medians[name] / base:17.2f}x")
+        print(f"{name:<{width}} {medians[name] * 1e3:9.1f}  {medians[name] / base:.2f}x")
     return 0
 
 
