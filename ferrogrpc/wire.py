@@ -103,11 +103,10 @@ class Frame:
 
     def payload(self, dtype: torch.dtype) -> torch.Tensor:
         """A writable 1-D tensor over the payload (valid until sealed)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
         if self._size == 0:
             return torch.empty(0, dtype=dtype)
         raw = (ctypes.c_char * self._size).from_address(self._address + self._offset)
-        return torch.frombuffer(raw, dtype=dtype, count=self._size // itemsize)
+        return torch.frombuffer(raw, dtype=dtype, count=self._size // dtype.itemsize)
 
     def view(self) -> memoryview:
         """The payload bytes (for the checksum)."""
