@@ -11,7 +11,11 @@ and grpcio-health-checking are optional). Two processes at world size 2:
 2. DDP and FSDP training of a CUDA model on slices of a batch against
    single-process training on the whole batch;
 3. all_reduce bus bandwidth, ferrogrpc against gloo with CUDA tensors, at 1,
-   16 and 256 MiB.
+   16 and 256 MiB;
+4. DDP step time of a 25M-parameter MLP with overlap on and off, and
+   without communication (on a GPU, backward leaves the CPU free, so overlap
+   on should be faster: issue 3's bar, which the CPU-only machine cannot
+   show).
 
 It prints a short table last and exits non-zero if any check failed.
 """
@@ -210,6 +214,54 @@ def bench(backend: Any, device: Any, sizes: list[int], iters: int) -> list[dict[
     return rows
 
 
+def time_ddp(backend: Any, device: Any, width: int, steps: int) -> dict[str, float]:
+    """Median step time of DDP with overlap on and off, and of the model
+    without communication, interleaved step by step. On a GPU, backward
+    leaves the CPU free, so overlap on should beat overlap off (issue 3's
+    bar, which a CPU-only machine cannot show)."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import ferrogrpc as fg
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(1024, width),
+            nn.ReLU(),
+            nn.Linear(width, width),
+            nn.ReLU(),
+            nn.Linear(width, 1024),
+        ).to(device)
+
+    gen = torch.Generator().manual_seed(backend.rank)
+    x = torch.randn(64, 1024, generator=gen).to(device)
+    y = torch.randn(64, 1024, generator=gen).to(device)
+    candidates: dict[str, tuple[nn.Module, Any]] = {"no communication": (model(), None)}
+    for overlap in (True, False):
+        ddp = fg.DDP(model(), backend, overlap=overlap)
+        candidates[f"DDP overlap={'on' if overlap else 'off'}"] = (ddp, ddp.sync_gradients)
+    optimizers = {n: torch.optim.SGD(m.parameters(), lr=1e-4) for n, (m, _) in candidates.items()}
+    times: dict[str, list[float]] = {n: [] for n in candidates}
+    for i in range(steps + 2):
+        for name, (module, sync) in candidates.items():
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            optimizers[name].zero_grad()
+            nn.functional.mse_loss(module(x), y).backward()
+            if sync is not None:
+                sync()
+            optimizers[name].step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= 2:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
@@ -239,11 +291,12 @@ def worker(args: argparse.Namespace) -> int:
         log.append(f"correctness checks took {time.monotonic() - start:.1f}s")
         sizes = [1 * MiB, 16 * MiB] if args.quick else [1 * MiB, 16 * MiB, 256 * MiB]
         rows = bench(backend, device, sizes, iters=2 if args.quick else 5)
+        ddp_times = time_ddp(
+            backend, device, width=256 if args.quick else 4096, steps=2 if args.quick else 9
+        )
     dist.destroy_process_group()
-    print(
-        "RESULT " + json.dumps({"rank": rank, "failures": failures, "log": log, "rows": rows}),
-        flush=True,
-    )
+    result = {"rank": rank, "failures": failures, "log": log, "rows": rows, "ddp": ddp_times}
+    print("RESULT " + json.dumps(result), flush=True)
     return 0
 
 
@@ -315,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['ferrogrpc'] * 1e3:9.2f} {row['fg_busbw']:9.3f} "
             f"{row['fg_busbw'] / row['gloo_busbw']:8.2f}"
         )
+    print(f"\n# DDP step time on {args.device}, world_size 2, MLP, median of interleaved steps")
+    ddp = {name: max(r["ddp"][name] for r in results) for name in results[0]["ddp"]}
+    for name, seconds in ddp.items():
+        print(f"{name:<20} {seconds * 1e3:9.1f} ms")
+    on, off = ddp["DDP overlap=on"], ddp["DDP overlap=off"]
+    print(f"overlap on / off: {on / off:.2f} (below 1: overlap hides communication)")
     verdict = "all checks passed" if failures == 0 else f"{failures} check(s) FAILED"
     print(f"gpu_check: {verdict} in {time.monotonic() - started:.0f}s")
     return 0 if failures == 0 else 1
