@@ -100,11 +100,14 @@ def _measure(
         for _ in range(warmup if name != rss_of else 0):
             fn()
     times: dict[str, list[float]] = {name: [] for name in ops}
-    for _ in range(iters):
-        for name, fn in ops.items():
+    names = list(ops)
+    for i in range(iters):
+        # The order rotates every round, so that no implementation always
+        # runs right after another one's call.
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             barrier()
             start = time.perf_counter()
-            fn()
+            ops[name]()
             times[name].append(time.perf_counter() - start)
     return {
         name: {"times": times[name], "rss_extra": peak - base if name == rss_of else 0}

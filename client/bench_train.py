@@ -145,10 +145,13 @@ def worker(args: argparse.Namespace) -> None:
         for _ in range(args.warmup):
             step(name)
     # One step of each in turn, so that the shared machine's slow and fast
-    # spells fall on all of them alike.
+    # spells fall on all of them alike; the order rotates every round,
+    # because a step runs measurably slower right after a torch/gloo step
+    # (~15 ms here) and no candidate should always be the one that follows.
     results: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(args.steps):
-        for name in candidates:
+    names = list(candidates)
+    for i in range(args.steps):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             results[name].append(step(name))
     params = sum(p.numel() for p in build_model(args.width, args.depth).parameters())
     gathered: list[Any] = [None] * world
