@@ -73,6 +73,10 @@ _REDUCERS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], o
     ReduceOp.MIN: lambda a, b, out: torch.minimum(a, b, out=out),
 }
 
+# After this long without progress a lane checks that the neighbours it waits
+# for can still be reached (see LaneRunner._watchdog).
+PROBE_S = 2.0
+
 # Forwarded messages a lane may hold ready for its sender (see LaneRunner).
 HELD_MESSAGES = 3
 
@@ -232,13 +236,23 @@ class LaneRunner:
         event loop answers is only waiting itself (upstream in the ring, or
         busy with rank-local work before the collective) and is waited for,
         up to the collective's deadline; one that does not answer is stuck,
-        and named. Costs nothing per chunk."""
+        and named. Sooner than that, after PROBE_S without progress, it
+        checks that those neighbours can be reached at all: one whose server
+        refuses connections twice in a row (its process is gone, say after
+        an exception in the training script) is named at once instead of
+        after the idle timeout. Costs nothing per chunk."""
         idle = self.peer.timeouts.idle
+        probe = min(PROBE_S, idle)
+        refused: set[int] = set()
         while True:
-            done, _ = await asyncio.wait(work, timeout=idle / 4)
+            done, _ = await asyncio.wait(work, timeout=min(idle / 4, probe))
             if len(done) == len(work):
                 return
-            if time.monotonic() - self.progress_at < idle:
+            stalled = time.monotonic() - self.progress_at
+            if probe <= stalled < idle:
+                await self._probe(probe, refused)
+                continue
+            if stalled < idle:
                 continue
             for neighbour, what in list(self.waiting.values()):
                 try:
@@ -252,6 +266,28 @@ class LaneRunner:
                         neighbour,
                     ) from None
             self.progress_at = time.monotonic()
+
+    async def _probe(self, timeout: float, refused: set[int]) -> None:
+        """Raise PeerError for a waited-for neighbour whose server refused
+        two probes in a row; an answer, or no answer yet, is left to the
+        idle-timeout check."""
+        for neighbour, what in list(self.waiting.values()):
+            try:
+                await self.peer.transport.ping(neighbour, timeout=timeout)
+            except FerroGrpcError as exc:
+                if not exc.gone:
+                    continue
+                if neighbour in refused:
+                    raise self._error(
+                        PeerError,
+                        f"waiting for {what} rank {neighbour} "
+                        f"({self.peer.address_of(neighbour)}), which is gone: its server "
+                        f"refuses connections ({exc.message})",
+                        neighbour,
+                    ) from None
+                refused.add(neighbour)
+            else:
+                refused.discard(neighbour)
 
     async def _write(self, stream: OutStream, message: bytes, step: int) -> None:
         await self._waiting(

@@ -43,6 +43,9 @@ class FerroGrpcError(Exception):
         # True when it carries another rank's report rather than what this
         # rank found itself.
         self.reported = False
+        # True when the peer could not be reached at all (its server refuses
+        # connections: the process is gone), as opposed to not answering.
+        self.gone = False
 
     def prefix(self) -> str:
         parts: list[str] = []

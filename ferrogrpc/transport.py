@@ -74,7 +74,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def ping(self, dst: int, timeout: float) -> None:
-        """Return if ``dst`` answers within ``timeout``; raise PeerError if not."""
+        """Return if ``dst`` answers within ``timeout``; raise PeerError if not
+        (with ``gone`` set when ``dst`` cannot be reached at all)."""
 
     @abc.abstractmethod
     async def close(self) -> None: ...
@@ -119,6 +120,7 @@ def _peer_error(exc: BaseException, dst: int, address: str, what: str) -> FerroG
             peer=dst,
             peer_address=address,
         )
+        err.gone = code == grpc.StatusCode.UNAVAILABLE
         # grpc reports a write that raced with the receiver failing the stream
         # as a local INTERNAL error, and hides the receiver's status; the
         # receiver's abort message is then the better account of the cause.
@@ -496,7 +498,9 @@ class MemoryTransport(Transport):
     def _target(self, dst: int) -> MemoryTransport:
         target = self._registry.get(self.addresses[dst])
         if target is None:
-            raise PeerError(f"rank {dst} is gone", peer=dst, peer_address=self.addresses[dst])
+            err = PeerError(f"rank {dst} is gone", peer=dst, peer_address=self.addresses[dst])
+            err.gone = True
+            raise err
         return target
 
     async def open(self, dst: int, lane: int) -> OutStream:
@@ -510,7 +514,9 @@ class MemoryTransport(Transport):
     async def ping(self, dst: int, timeout: float) -> None:
         target = self._target(dst)
         if target.closed or target.handler is None:
-            raise PeerError(f"rank {dst} is gone", peer=dst)
+            err = PeerError(f"rank {dst} is gone", peer=dst)
+            err.gone = True
+            raise err
         if target.frozen:
             await asyncio.sleep(timeout)
             raise PeerError(f"rank {dst} did not answer a ping", peer=dst)
