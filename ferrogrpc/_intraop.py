@@ -34,6 +34,31 @@ def loop_thread_count() -> int:
     return count
 
 
+def _loaded_gomp() -> ctypes.CDLL | None:
+    """The GNU OpenMP runtime torch loaded, whatever its file is called
+    (wheels may bundle it as ``libgomp-<hash>.so.1``); one inside torch's
+    package (``torch/lib``, ``torch.libs``) first; never loads one."""
+    import torch
+
+    torch_prefix = os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "torch")
+    paths: list[str] = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                if "libgomp" in os.path.basename(path) and path not in paths:
+                    paths.append(path)
+    except OSError:
+        pass
+    paths.sort(key=lambda path: not path.startswith(torch_prefix))
+    for name in [*paths, "libgomp.so.1"]:
+        try:
+            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD)
+        except OSError:
+            continue
+    return None
+
+
 def limit_thread_intraop(count: int) -> int | None:
     """Set the calling thread's OpenMP thread count for torch's CPU ops.
 
@@ -48,11 +73,12 @@ def limit_thread_intraop(count: int) -> int | None:
     # the thread's first parallel op; do that first, so it cannot later
     # overwrite the count set here.
     torch.get_num_threads()
+    gomp = _loaded_gomp()
+    if gomp is None:
+        return None
     try:
-        # The libgomp that torch loaded (matched by soname); never loads one.
-        gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)
         set_threads = gomp.omp_set_num_threads
-    except (OSError, AttributeError):
+    except AttributeError:
         return None
     set_threads.argtypes = [ctypes.c_int]
     set_threads.restype = None

@@ -168,7 +168,13 @@ class Backend:
 
         async def run() -> torch.Tensor:
             if previous is not None:
-                await asyncio.wait([asyncio.wrap_future(previous)])
+                try:
+                    await asyncio.wait([asyncio.wrap_future(previous)])
+                except asyncio.CancelledError:
+                    coro.close()  # never started (the loop is shutting down)
+                    raise
+            # Runs even when ``previous`` failed: it then fails at once with
+            # the same cause, and releases what the call set up.
             return await coro
 
         try:

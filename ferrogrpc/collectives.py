@@ -249,7 +249,9 @@ class LaneRunner:
             if len(done) == len(work):
                 return
             stalled = time.monotonic() - self.progress_at
-            if probe <= stalled < idle:
+            if stalled < probe:
+                refused.clear()  # progress since: refusals must be consecutive
+            elif stalled < idle:
                 await self._probe(probe, refused)
                 continue
             if stalled < idle:
@@ -276,6 +278,7 @@ class LaneRunner:
                 await self.peer.transport.ping(neighbour, timeout=timeout)
             except FerroGrpcError as exc:
                 if not exc.gone:
+                    refused.discard(neighbour)  # reachable, if slow: not gone
                     continue
                 if neighbour in refused:
                     raise self._error(

@@ -4,7 +4,6 @@ streams to the collective that waits for them, and runs the collectives."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hmac
 import logging
@@ -458,7 +457,16 @@ class Peer(StreamHandler):
         return Job(seq, name, descriptor, buffer, op, out, out_offset)
 
     async def _execute(self, job: Job) -> None:
-        self._check_open()
+        try:
+            self._check_open()
+        except FerroGrpcError:
+            # Broken or closed since the call took its sequence number (a
+            # chained DDP bucket behind a failed one): release what the call
+            # set up.
+            if job.stage is not None and not job.stage.finished:
+                await job.stage.abandon()
+            self._pending.discard(job.seq)
+            raise
         op = _Op(job.seq, job.name)
         self._ops[job.seq] = op
         plans = build_plans(
@@ -500,18 +508,56 @@ class Peer(StreamHandler):
             self._pending.discard(job.seq)
             self.stats.collectives += 1
 
+    async def _await_report(self, named: int | None) -> None:
+        """A symptom (a stream that ended, a write that failed) names the
+        neighbour it came from, which may only have failed because of
+        something else. Wait up to ECHO_GRACE_S for a rank's report of the
+        cause, and meanwhile ping the named neighbour: one that does not
+        answer is the cause itself, and the symptom stands at once; one that
+        answers is alive, and its report is given up to twice as long."""
+        report = asyncio.ensure_future(self._broken_event.wait())
+        waits: set[asyncio.Future[Any]] = {report}
+        ping: asyncio.Future[None] | None = None
+        if named is not None and named != self.rank:
+            ping = asyncio.ensure_future(self.transport.ping(named, timeout=ECHO_GRACE_S))
+            waits.add(ping)
+        try:
+            deadline = asyncio.get_running_loop().time() + ECHO_GRACE_S
+            while not report.done():
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    return
+                done, _ = await asyncio.wait(
+                    waits, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
+                if ping is not None and ping in done:
+                    waits.discard(ping)
+                    if ping.exception() is not None:
+                        return  # the named neighbour is gone or stuck: it is the cause
+                    deadline += ECHO_GRACE_S  # alive: its report is on its way
+                    ping = None
+                if not done:
+                    return
+        finally:
+            for task in (report, ping):
+                if task is not None and not task.done():
+                    task.cancel()
+
     async def _failed(self, job: Job, exc: FerroGrpcError) -> FerroGrpcError:
         """Decide what a failed collective raises, and tell the other ranks."""
         if exc.echo and self._broken is None:
-            # Give the other rank's report of the real cause a moment to land.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(ECHO_GRACE_S):
-                    await self._broken_event.wait()
+            await self._await_report(exc.peer)
         err = self.contextualize(exc, job.name, job.seq, None)
-        if not err.echo and not err.reported and err.seq == job.seq:
-            # What this rank found itself in this collective (a checksum or
-            # header failure, a stuck neighbour) is its account, even when
-            # another rank's relay of that same finding arrived first.
+        if (
+            isinstance(err, ProtocolError)
+            and not err.echo
+            and not err.reported
+            and err.seq == job.seq
+        ):
+            # What this rank found itself in this collective's data (a
+            # checksum or header failure) is its account, even when another
+            # rank's relay of that same finding arrived first. Symptoms such
+            # as a refused stream still defer to a root cause reported.
             self._break(err, broadcast=True)
             return err
         if self._broken is not None:

@@ -102,7 +102,9 @@ class Frame:
         self._address: int = _bytes_address(self._message)
 
     def payload(self, dtype: torch.dtype) -> torch.Tensor:
-        """A writable 1-D tensor over the payload (valid until sealed)."""
+        """A writable 1-D tensor over the payload. It does not keep the
+        message alive: use it only while this Frame is referenced, and not
+        after :meth:`seal` (the message is shared from then on)."""
         if self._size == 0:
             return torch.empty(0, dtype=dtype)
         raw = (ctypes.c_char * self._size).from_address(self._address + self._offset)
