@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from . import schedule, wire
+from . import integrity, schedule, wire
 from .errors import CollectiveTimeoutError, FerroGrpcError, PeerError, ProtocolError
-from .integrity import checksum_name
 from .ops import ReduceOp, kind_name, wire_dtype_name, wire_op_name
 from .schedule import COPY, REDUCE, LanePlan
 from .staging import Stage
@@ -92,7 +91,7 @@ _DESCRIPTOR_FIELDS = (
     ("world_size", str),
     ("lanes", str),
     ("chunk_elems", str),
-    ("checksum", lambda code: pb.ChecksumKind.Name(code).removeprefix("CHECKSUM_").lower()),
+    ("checksum", integrity.kind_name),
 )
 
 
@@ -251,10 +250,9 @@ class LaneRunner:
             stalled = time.monotonic() - self.progress_at
             if stalled < probe:
                 refused.clear()  # progress since: refusals must be consecutive
-            elif stalled < idle:
-                await self._probe(probe, refused)
                 continue
             if stalled < idle:
+                await self._probe(probe, refused)
                 continue
             for neighbour, what in list(self.waiting.values()):
                 try:
@@ -454,11 +452,12 @@ class LaneRunner:
             if checksum is not None and (
                 not header.has_checksum or checksum(payload) != header.checksum
             ):
+                name = integrity.checksum_name(checksum)
                 raise self._error(
                     ProtocolError,
                     f"chunk {item.chunk} of step {item.step} from rank {self.left} "
-                    f"({peer.address_of(self.left)}) failed its {checksum_name(checksum)} "
-                    "check: corrupted in flight; it was discarded",
+                    f"({peer.address_of(self.left)}) failed its {name} check: corrupted in "
+                    "flight; it was discarded",
                     self.left,
                 )
             if stage is not None:

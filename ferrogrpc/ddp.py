@@ -187,11 +187,14 @@ class DDP(nn.Module):
         open_buckets: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
         limit = self.bucket_size_bytes
 
+        def overflows(bucket: _Bucket | None, nbytes: int) -> bool:
+            return bucket is not None and bucket.numel * bucket.dtype.itemsize + nbytes > limit
+
         def place(name: str, p: nn.Parameter) -> None:
             key = (p.dtype, p.device)
             nbytes = p.numel() * p.element_size()
             bucket = open_buckets.get(key)
-            if bucket is not None and bucket.numel * p.element_size() + nbytes > limit:
+            if overflows(bucket, nbytes):
                 bucket = None
             if bucket is None:
                 bucket = _Bucket(len(buckets), [], [], [], 0, p.dtype, p.device)
@@ -223,8 +226,7 @@ class DDP(nn.Module):
                 key = (p.dtype, p.device)
                 sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
             for key, total in sizes.items():
-                bucket = open_buckets.get(key)
-                if bucket is not None and bucket.numel * key[0].itemsize + total > limit:
+                if overflows(open_buckets.get(key), total):
                     del open_buckets[key]
             for name, p in unit:
                 place(name, p)

@@ -70,9 +70,14 @@ def checksum_kind(fn: Checksum | None) -> int:
     return pb.CHECKSUM_CRC32
 
 
+def kind_name(code: int) -> str:
+    """``crc32``, ``crc32c`` or ``none``: a ChecksumKind as messages show it."""
+    return pb.ChecksumKind.Name(code).removeprefix("CHECKSUM_").lower()
+
+
 def checksum_name(fn: Checksum | None) -> str:
-    """``crc32``, ``crc32c`` or ``none``, as in messages and the descriptor."""
-    return pb.ChecksumKind.Name(checksum_kind(fn)).removeprefix("CHECKSUM_").lower()
+    """The name of ``fn``'s kind, as in messages and the descriptor."""
+    return kind_name(checksum_kind(fn))
 
 
 _ON = ("1", "true", "yes", "on", "crc32")

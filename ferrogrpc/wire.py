@@ -54,18 +54,25 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
 _PADS = [bytes((_PAD_TAG, n)) + bytes(n) for n in range(_ALIGN + 2)]
 
 
+def _around(header: pb.ChunkHeader, plen: int) -> tuple[bytes, bytes]:
+    """The header field, and the payload field's tag and length: what goes
+    before and after the pad field."""
+    head = header.SerializeToString()
+    return (
+        bytes((_HEADER_TAG,)) + _varint(len(head)) + head,
+        bytes((_PAYLOAD_TAG,)) + _varint(plen),
+    )
+
+
 def encode(header: pb.ChunkHeader, payload: memoryview | bytes = b"") -> bytes:
     """Frame one chunk: header, padding, payload. The payload is copied once,
     into the message, and lands 8-byte aligned."""
-    head = header.SerializeToString()
     plen = len(payload) if isinstance(payload, bytes) else payload.nbytes
-    prefix = bytes((_HEADER_TAG,)) + _varint(len(head)) + head
-    suffix = bytes((_PAYLOAD_TAG,)) + _varint(plen)
+    lead, tail = _around(header, plen)
     # A pad field costs two bytes plus its length; choose it so that the
     # payload offset is a multiple of _ALIGN.
-    unaligned = len(prefix) + 2 + len(suffix)
-    pad = _PADS[(-unaligned) % _ALIGN]
-    return b"".join((prefix, pad, suffix, payload))
+    pad = _PADS[(-(len(lead) + 2 + len(tail))) % _ALIGN]
+    return b"".join((lead, pad, tail, payload))
 
 
 # A bytes object whose contents are filled in after it is created: the C
@@ -116,12 +123,10 @@ class Frame:
 
     def seal(self, header: pb.ChunkHeader) -> bytes:
         """Write the header in front of the payload; returns the message."""
-        head = header.SerializeToString()
-        lead = bytes((_HEADER_TAG,)) + _varint(len(head)) + head
-        tail = bytes((_PAYLOAD_TAG,)) + _varint(self._size)
+        lead, tail = _around(header, self._size)
         pad = self._offset - len(lead) - len(tail) - 2
         if not 0 <= pad < 0x80:
-            raise ValueError(f"header of {len(head)} bytes does not fit the frame's bound")
+            raise ValueError(f"a header field of {len(lead)} bytes does not fit the frame's bound")
         prefix = b"".join((lead, bytes((_PAD_TAG, pad)), bytes(pad), tail))
         ctypes.memmove(self._address, prefix, len(prefix))
         message, self._message = self._message, b""
