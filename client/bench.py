@@ -75,6 +75,14 @@ class RssSampler:
         self._thread.join()
 
 
+def rotated(names: list[str], i: int) -> list[str]:
+    """``names`` starting at position ``i`` (mod its length): round ``i`` of an
+    interleaved comparison, so that no implementation always runs right after
+    the same other one."""
+    k = i % len(names)
+    return names[k:] + names[:k]
+
+
 def _measure(
     ops: dict[str, Callable[[], Any]],
     barrier: Callable[[], None],
@@ -104,7 +112,7 @@ def _measure(
     for i in range(iters):
         # The order rotates every round, so that no implementation always
         # runs right after another one's call.
-        for name in names[i % len(names) :] + names[: i % len(names)]:
+        for name in rotated(names, i):
             barrier()
             start = time.perf_counter()
             ops[name]()

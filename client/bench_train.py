@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from client.bench import collect
+from client.bench import collect, rotated
 from ferrogrpc.launch import free_port, spawn_ranks
 
 
@@ -151,7 +151,7 @@ def worker(args: argparse.Namespace) -> None:
     results: dict[str, list[float]] = {name: [] for name in candidates}
     names = list(candidates)
     for i in range(args.steps):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
+        for name in rotated(names, i):
             results[name].append(step(name))
     params = sum(p.numel() for p in build_model(args.width, args.depth).parameters())
     gathered: list[Any] = [None] * world
