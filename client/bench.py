@@ -2,7 +2,8 @@
 
 Prints an nccl-tests style table per world size: size, time, algbw, busbw for
 both, the ferrogrpc/gloo busbw ratio, and each rank's peak extra RSS during
-the ferrogrpc collective as a fraction of the tensor size. The
+the ferrogrpc collective as a fraction of the tensor size (measured first,
+largest size first, so the largest size's figure is a fresh process's). The
 implementations take turns, one iteration each, so that the shared machine's
 slow and fast spells fall on all of them alike.
 
@@ -83,29 +84,24 @@ def rotated(names: list[str], i: int) -> list[str]:
     return names[k:] + names[:k]
 
 
+def _peak_extra_rss(op: Callable[[], Any], calls: int, rss: RssSampler) -> int:
+    """Peak RSS during ``calls`` runs of ``op`` over the RSS just before."""
+    base = _rss_bytes()
+    return max(rss.window(op) for _ in range(calls)) - base
+
+
 def _measure(
     ops: dict[str, Callable[[], Any]],
     barrier: Callable[[], None],
     iters: int,
     warmup: int,
-    rss: RssSampler,
-    rss_of: str,
-) -> dict[str, dict[str, Any]]:
-    """Peak extra RSS of ``rss_of``, then times of every implementation.
-
-    Memory first, alone: ``rss_of``'s warm-up calls plus one more run before
-    anything else touches this size, and its extra RSS is the peak during
-    them over the RSS just before (the process heap is shared, so another
-    implementation's buffers would otherwise count). Then the timing, one
-    iteration of each implementation in turn, so that the shared machine's
-    slow and fast spells fall on all of them alike, with no sampler running.
-    """
-    barrier()
-    base = _rss_bytes()
-    peak = max(rss.window(ops[rss_of]) for _ in range(warmup + 1))
-    for name, fn in ops.items():
+) -> dict[str, list[float]]:
+    """Times of every implementation, after ``warmup`` calls of each: one
+    iteration of each in turn, so that the shared machine's slow and fast
+    spells fall on all of them alike."""
+    for fn in ops.values():
         barrier()
-        for _ in range(warmup if name != rss_of else 0):
+        for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in ops}
     names = list(ops)
@@ -117,10 +113,7 @@ def _measure(
             start = time.perf_counter()
             ops[name]()
             times[name].append(time.perf_counter() - start)
-    return {
-        name: {"times": times[name], "rss_extra": peak - base if name == rss_of else 0}
-        for name in ops
-    }
+    return times
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -141,6 +134,23 @@ def worker(args: argparse.Namespace) -> None:
     backend = fg.init_backend(checksum=not args.no_checksum)
     crc = backend.peer.checksum
     rss = RssSampler()
+    # Memory first, alone, largest size first: the largest size's figure is
+    # then that of a process that has run no collective yet, so it includes
+    # every buffer the first call grows (later calls reuse them). The heap
+    # is shared, so no other implementation runs before or during this.
+    rss_extra: dict[int, int] = {}
+    rss_ok: dict[int, bool] = {}
+    calls = args.warmup + 1
+    for size in sorted(args.sizes, reverse=True):
+        t = torch.ones(size // 4, dtype=torch.float32)
+
+        def reduce(t: torch.Tensor = t) -> None:
+            backend.all_reduce(t)
+
+        dist.barrier()
+        rss_extra[size] = _peak_extra_rss(reduce, calls, rss)
+        rss_ok[size] = bool(t[0].item() == t[-1].item() == float(world**calls))
+        del t
     rows = []
     for size in args.sizes:
         numel = size // 4
@@ -164,15 +174,16 @@ def worker(args: argparse.Namespace) -> None:
             "ferrogrpc": fg_op("ferrogrpc", tensors["ferrogrpc"]),
             NO_CRC: fg_op(NO_CRC, tensors[NO_CRC]),
         }
-        measured = _measure(ops, dist.barrier, args.iters, args.warmup, rss, "ferrogrpc")
-        calls = {impl: args.iters + args.warmup for impl in IMPLS}
-        calls["ferrogrpc"] += 1
-        result: dict[str, Any] = {"size": size}
+        times = _measure(ops, dist.barrier, args.iters, args.warmup)
+        calls_made = args.iters + args.warmup
+        result: dict[str, Any] = {"size": size, "rss_extra": rss_extra[size]}
         for impl in IMPLS:
             t = tensors[impl]
-            expected = float(world ** calls[impl])
+            expected = float(world**calls_made)
             ok = bool(t[0].item() == expected and t[-1].item() == expected)
-            result[impl] = {**measured[impl], "ok": ok}
+            if impl == "ferrogrpc":
+                ok = ok and rss_ok[size]
+            result[impl] = {"times": times[impl], "ok": ok}
         del tensors
         rows.append(result)
     rss.close()
@@ -225,7 +236,7 @@ def report(world: int, per_rank: list[list[dict[str, Any]]]) -> str:
         for impl in IMPLS:
             slowest = [max(r[i][impl]["times"][k] for r in per_rank) for k in range(iters)]
             med[impl] = statistics.median(slowest)
-        rss = max(r[i]["ferrogrpc"]["rss_extra"] for r in per_rank) / size
+        rss = max(r[i]["rss_extra"] for r in per_rank) / size
         ok = all(r[i][impl]["ok"] for r in per_rank for impl in IMPLS)
         bus = {impl: size / med[impl] * factor / 1e9 for impl in IMPLS}
         lines.append(

@@ -15,6 +15,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 import torch
 
 from ._intraop import limit_thread_intraop, loop_thread_count
+from ._malloc import tune_allocator
 from .errors import CollectiveTimeoutError, ConfigError, FerroGrpcError, RendezvousError
 from .ops import ReduceOp
 from .options import (
@@ -405,6 +406,8 @@ def init_backend(
     bind_port = port if port is not None else int(os.environ.get(PORT_ENV, "0") or 0)
     from .integrity import resolve_checksum
 
+    # Before the loop thread allocates anything: it is to share one arena.
+    tune_allocator()
     loop, thread = _start_loop()
     start = Peer.start(
         rank,

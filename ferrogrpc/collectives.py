@@ -76,8 +76,10 @@ _REDUCERS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], o
 # for can still be reached (see LaneRunner._watchdog).
 PROBE_S = 2.0
 
-# Forwarded messages a lane may hold ready for its sender (see LaneRunner).
+# Forwarded messages a lane may hold ready for its sender (see LaneRunner):
+# at most this many, and at most this many bytes (but one message at least).
 HELD_MESSAGES = 3
+HELD_BYTES = 8 << 20
 
 # How long a failing rank tries to hand its right neighbour the cause in band.
 ABORT_WRITE_S = 0.5
@@ -148,9 +150,12 @@ class LaneRunner:
         # straight into the message that carries it on. That saves the copy
         # into a new message at send time, but holds the message until the
         # sender gets to it; so only while the sender keeps up (at most
-        # HELD_MESSAGES waiting). Beyond that, results go to the tensor and
-        # the sender frames them from there, as for its own data.
+        # hold_limit waiting: HELD_MESSAGES, fewer where that would exceed
+        # HELD_BYTES). Beyond that, results go to the tensor and the sender
+        # frames them from there, as for its own data.
         self.outgoing: dict[int, bytes] = {}
+        largest = max((item.hi - item.lo for item in plan.recvs), default=0) * self.itemsize
+        self.hold_limit = min(HELD_MESSAGES, max(1, HELD_BYTES // max(largest, 1)))
         # For each receive index that is forwarded, the send item forwarding it.
         self.forwards = {item.from_recv: item for item in plan.sends if item.from_recv >= 0}
         self.in_place = job.out is None
@@ -466,7 +471,7 @@ class LaneRunner:
             # No backpressure from our own sender here: waiting for it while
             # it waits for the right neighbour's receiver would close a cycle
             # around the ring.
-            hold = index in self.forwards and len(self.outgoing) < HELD_MESSAGES
+            hold = index in self.forwards and len(self.outgoing) < self.hold_limit
             if item.action == COPY:
                 if incoming is not None:
                     flat[item.lo : item.hi].copy_(incoming)
