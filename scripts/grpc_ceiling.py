@@ -2,7 +2,11 @@
 processes with grpc.aio, no tensors, no framing, no checks. What ferrogrpc's
 all_reduce could reach if all of its own work were free.
 
-    python scripts/grpc_ceiling.py --world-size 4 --mib 200
+On a machine where the ranks share too few cores the CPU time is the bound,
+so it also prints each rank's CPU milliseconds per MB sent (and received):
+compare it with a collective's CPU time per MB it moves.
+
+    python scripts/grpc_ceiling.py --world-size 4 --mib 200 --chunk-kib 4096
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -17,10 +22,15 @@ import time
 import grpc
 import grpc.aio
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
 OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 
 
-async def rank_main(rank: int, world: int, base: int, count: int, size: int) -> float:
+async def rank_main(
+    rank: int, world: int, base: int, count: int, size: int, start_at: float
+) -> tuple[float, float]:
     from ferrogrpc._malloc import tune_allocator
 
     tune_allocator()  # the same allocator settings ferrogrpc runs with
@@ -42,10 +52,12 @@ async def rank_main(rank: int, world: int, base: int, count: int, size: int) -> 
     )
     server.add_insecure_port(f"127.0.0.1:{base + rank}")
     await server.start()
-    await asyncio.sleep(1.0)
+    # Every rank starts at the same moment, so all of them stream all along.
+    await asyncio.sleep(max(0.0, start_at - time.time()))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{base + (rank + 1) % world}", options=OPTIONS)
     call = channel.stream_unary("/ring/S", request_serializer=bytes, response_deserializer=bytes)()
     message = os.urandom(size)
+    cpu = time.process_time()
     start = time.perf_counter()
     for _ in range(count):
         await call.write(message)
@@ -53,9 +65,10 @@ async def rank_main(rank: int, world: int, base: int, count: int, size: int) -> 
     await call
     await done.wait()
     elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu
     await channel.close()
     await server.stop(0)
-    return count * size / elapsed / 1e9
+    return count * size / elapsed / 1e9, cpu * 1e3 / (count * size / 1e6)
 
 
 def main() -> int:
@@ -67,16 +80,20 @@ def main() -> int:
     parser.add_argument("--chunk-kib", type=int, default=1024)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--base", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--start-at", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     size = args.chunk_kib * 1024
     count = args.mib * 1024 // args.chunk_kib
     if args.rank is not None:
-        gbps = asyncio.run(rank_main(args.rank, args.world_size, args.base, count, size))
-        print(f"{gbps:.3f}", flush=True)
+        gbps, cpu_ms_per_mb = asyncio.run(
+            rank_main(args.rank, args.world_size, args.base, count, size, args.start_at)
+        )
+        print(f"{gbps:.3f} {cpu_ms_per_mb:.3f}", flush=True)
         return 0
     import random
 
     base = random.randint(20000, 40000)
+    start_at = time.time() + 8.0  # time enough for every rank to import and listen
     procs = [
         subprocess.Popen(
             [
@@ -92,17 +109,24 @@ def main() -> int:
                 str(r),
                 "--base",
                 str(base),
+                "--start-at",
+                str(start_at),
             ],
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            env={**os.environ, "GRPC_VERBOSITY": "ERROR"},
             text=True,
         )
         for r in range(args.world_size)
     ]
-    rates = [float(p.communicate()[0].strip()) for p in procs]
+    outputs = [p.communicate()[0].split() for p in procs]
+    if any(p.returncode != 0 or len(out) != 2 for p, out in zip(procs, outputs, strict=True)):
+        raise SystemExit("a rank failed (its error is above)")
+    rates = sorted(float(out[0]) for out in outputs)
+    cpus = sorted(float(out[1]) for out in outputs)
     print(
         f"raw grpc.aio ring, world {args.world_size}, {args.chunk_kib} KiB messages: "
-        f"{min(rates):.3f}-{max(rates):.3f} GB/s each way per rank"
+        f"{rates[0]:.3f}-{rates[-1]:.3f} GB/s each way per rank; CPU per MB each way "
+        f"{cpus[0]:.2f}-{cpus[-1]:.2f} ms (median {statistics.median(cpus):.2f})"
     )
     return 0
 
