@@ -3,7 +3,8 @@
 Prints an nccl-tests style table per world size: size, time, algbw, busbw for
 both, the ferrogrpc/gloo busbw ratio, and each rank's peak extra RSS during
 the ferrogrpc collective as a fraction of the tensor size (measured first,
-largest size first, so the largest size's figure is a fresh process's). The
+largest size first, so the largest size's figure is that of a process that
+has run no ferrogrpc collective yet). The
 implementations take turns, one iteration each, so that the shared machine's
 slow and fast spells fall on all of them alike.
 
@@ -18,7 +19,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,56 +38,12 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class RssSampler:
-    """Samples this process's RSS on a thread; ``window()`` reports the peak
-    seen while its block ran."""
-
-    def __init__(self, interval: float = 0.0005) -> None:
-        self.interval = interval
-        self._peak = 0
-        self._active = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self._active.wait(0.05):
-                self._peak = max(self._peak, _rss_bytes())
-                time.sleep(self.interval)
-
-    def window(self, fn: Callable[[], Any]) -> int:
-        """Run ``fn``; return the peak RSS seen meanwhile."""
-        self._peak = _rss_bytes()
-        self._active.set()
-        try:
-            fn()
-        finally:
-            self._active.clear()
-        return max(self._peak, _rss_bytes())
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def rotated(names: list[str], i: int) -> list[str]:
     """``names`` starting at position ``i`` (mod its length): round ``i`` of an
     interleaved comparison, so that no implementation always runs right after
     the same other one."""
     k = i % len(names)
     return names[k:] + names[:k]
-
-
-def _peak_extra_rss(op: Callable[[], Any], calls: int, rss: RssSampler) -> int:
-    """Peak RSS during ``calls`` runs of ``op`` over the RSS just before."""
-    base = _rss_bytes()
-    return max(rss.window(op) for _ in range(calls)) - base
 
 
 def _measure(
@@ -133,24 +89,26 @@ def worker(args: argparse.Namespace) -> None:
     )
     backend = fg.init_backend(checksum=not args.no_checksum)
     crc = backend.peer.checksum
-    rss = RssSampler()
     # Memory first, alone, largest size first: the largest size's figure is
-    # then that of a process that has run no collective yet, so it includes
-    # every buffer the first call grows (later calls reuse them). The heap
-    # is shared, so no other implementation runs before or during this.
+    # then that of a process that has run no ferrogrpc collective yet
+    # (gloo's set-up has run), so it includes every buffer the first call
+    # grows (later calls reuse them). The heap is shared, so no other
+    # implementation runs before or during this.
     rss_extra: dict[int, int] = {}
     rss_ok: dict[int, bool] = {}
     calls = args.warmup + 1
     for size in sorted(args.sizes, reverse=True):
         t = torch.ones(size // 4, dtype=torch.float32)
 
-        def reduce(t: torch.Tensor = t) -> None:
-            backend.all_reduce(t)
+        def first_calls(t: torch.Tensor = t) -> None:
+            for _ in range(calls):
+                backend.all_reduce(t)
 
         dist.barrier()
-        rss_extra[size] = _peak_extra_rss(reduce, calls, rss)
+        base = fg.testing.rss()
+        rss_extra[size] = fg.testing.peak_rss(first_calls) - base
         rss_ok[size] = bool(t[0].item() == t[-1].item() == float(world**calls))
-        del t
+        del first_calls, t
     rows = []
     for size in args.sizes:
         numel = size // 4
@@ -186,7 +144,6 @@ def worker(args: argparse.Namespace) -> None:
             result[impl] = {"times": times[impl], "ok": ok}
         del tensors
         rows.append(result)
-    rss.close()
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, rows)
     if rank == 0:

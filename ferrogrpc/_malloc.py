@@ -11,9 +11,17 @@ Two effects, both measured on the 2-core reference machine:
   reduces on the backend's loop thread. With glibc's per-thread arenas each
   thread's arena keeps its own high-water mark, so a rank's peak RSS became
   the *sum* of them: 74-121 MiB extra during a first 256 MiB all_reduce at
-  world size 4, against 47-68 MiB with every thread in one arena, at the
-  same speed. (``M_ARENA_MAX`` only affects threads that have not allocated
-  yet, so the Backend applies this before it starts its loop thread.)
+  world size 4, against 46-68 MiB with every thread in one arena, at the
+  same speed (all_reduce and DDP steps alike). The price: all threads'
+  larger mallocs take one lock (small ones come from per-thread caches).
+
+  ``M_ARENA_MAX`` only caps the creation of arenas: a thread that already
+  has one keeps it, and threads started later share whichever arenas exist.
+  So the effect is full when ferrogrpc initialises before other threads
+  allocate, which is why the Backend applies it before it starts its loop
+  thread; in a process whose other threads (gloo's, a DataLoader's pin
+  thread) came first it is partial. A cap the user set
+  (``MALLOC_ARENA_MAX``, or ``arena_max`` in ``GLIBC_TUNABLES``) is kept.
 
 Process-wide, so it is done once, when the first Backend or Peer starts;
 ``FERROGRPC_MALLOC_TUNING=0`` turns it off.
@@ -32,6 +40,11 @@ _M_ARENA_MAX = -8
 MALLOC_TUNING_ENV = "FERROGRPC_MALLOC_TUNING"
 
 _done = False
+
+
+def _user_arena_max() -> bool:
+    """Whether the user capped glibc's arenas themselves."""
+    return "MALLOC_ARENA_MAX" in os.environ or "arena_max" in os.environ.get("GLIBC_TUNABLES", "")
 
 
 def tune_allocator(
@@ -59,12 +72,9 @@ def tune_allocator(
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    ok = all(
-        [
-            mallopt(_M_MMAP_THRESHOLD, mmap_threshold),
-            mallopt(_M_TRIM_THRESHOLD, trim_threshold),
-            mallopt(_M_ARENA_MAX, arena_max),
-        ]
-    )
+    settings = [(_M_MMAP_THRESHOLD, mmap_threshold), (_M_TRIM_THRESHOLD, trim_threshold)]
+    if not _user_arena_max():
+        settings.append((_M_ARENA_MAX, arena_max))
+    ok = all([mallopt(option, value) for option, value in settings])
     _done = ok
     return ok

@@ -479,8 +479,10 @@ class LaneRunner:
                     self.outgoing[index] = message
             elif item.action == REDUCE and (hold or not self.in_place):
                 # A partial sum is only ever forwarded. Out of place there is
-                # nowhere else to keep it: the sender forwards in order, so at
-                # most one segment (1/world of the tensor) is held.
+                # nowhere else to keep it, so it is held whatever hold_limit
+                # says: usually one segment (1/world of the tensor), at worst
+                # the world - 2 segments still to forward, if the right
+                # neighbour stalls while the left keeps sending.
                 self.outgoing[index] = self._reduced_message(index, incoming, reduce)
             elif item.action == REDUCE:
                 if incoming is not None:

@@ -1,4 +1,5 @@
-"""Helpers for tests and notebooks: N peers in the running event loop."""
+"""Helpers for tests, benchmarks and notebooks: N peers in the running event
+loop, injected faults, and a process's peak RSS."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import os
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal
 
@@ -108,3 +112,54 @@ class Fault:
             return encode(forged, payload)
 
         return apply
+
+
+def rss() -> int:
+    """This process's resident set size in bytes (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_high_water() -> bool:
+    # Writing 5 to clear_refs resets the kernel's RSS high-water mark (VmHWM).
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _high_water() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmHWM in /proc/self/status")
+
+
+def peak_rss(run: Callable[[], object]) -> int:
+    """Run ``run()`` and return this process's peak RSS in bytes meanwhile:
+    the kernel's exact high-water mark where it can be reset (Linux), else
+    sampled every 0.5 ms on a thread (which can miss a short peak). Resets
+    the process's VmHWM."""
+    if _reset_high_water():
+        run()
+        return max(_high_water(), rss())
+    peak = rss()
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, rss())
+            time.sleep(0.0005)
+
+    sampler = threading.Thread(target=sample, name="ferrogrpc-rss-sampler", daemon=True)
+    sampler.start()
+    try:
+        run()
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak, rss())

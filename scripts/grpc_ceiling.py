@@ -55,7 +55,9 @@ async def rank_main(
     # Every rank starts at the same moment, so all of them stream all along.
     await asyncio.sleep(max(0.0, start_at - time.time()))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{base + (rank + 1) % world}", options=OPTIONS)
-    call = channel.stream_unary("/ring/S", request_serializer=bytes, response_deserializer=bytes)()
+    call = channel.stream_unary("/ring/S", request_serializer=bytes, response_deserializer=bytes)(
+        wait_for_ready=True
+    )
     message = os.urandom(size)
     cpu = time.process_time()
     start = time.perf_counter()

@@ -28,15 +28,18 @@ async def test_conformance_every_dtype_and_shape(transport: str, world: int) -> 
         await run_conformance(peers, ALL_DTYPES)
 
 
-@pytest.mark.parametrize("held", [0, 1, 10_000])
+@pytest.mark.parametrize(
+    ("held", "held_bytes"), [(0, 1 << 40), (1, 1 << 40), (10_000, 1 << 40), (10_000, 100)]
+)
 @pytest.mark.parametrize("world", [3, 5])
 async def test_conformance_whether_or_not_forwards_are_held(
-    held: int, world: int, monkeypatch: pytest.MonkeyPatch
+    held: int, held_bytes: int, world: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A lane keeps up to HELD_MESSAGES forwarded messages ready for its
-    # sender and writes the rest to the tensor; both paths, and their mix,
-    # give the same results.
+    # A lane keeps up to HELD_MESSAGES forwarded messages, and HELD_BYTES
+    # (one message at least), ready for its sender and writes the rest to
+    # the tensor; both paths, and their mix, give the same results.
     monkeypatch.setattr(collectives, "HELD_MESSAGES", held)
+    monkeypatch.setattr(collectives, "HELD_BYTES", held_bytes)
     async with fg.testing.local_group(world, chunk_policy=SMALL) as peers:
         await run_conformance(peers, ALL_DTYPES)
 

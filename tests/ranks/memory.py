@@ -1,22 +1,31 @@
 """A rank program: the extra peak RSS of this process's first all_reduces of
-a large float32 tensor, sampled on a thread, over the RSS just before.
-Prints ``PEAK_EXTRA <bytes>`` and OK once the results are checked."""
+a large float32 tensor over the RSS just before them, and the number of
+glibc malloc arenas afterwards. Prints ``PEAK_EXTRA <bytes>``, ``ARENAS
+<n>`` and OK once the results are checked."""
 
 from __future__ import annotations
 
-import os
+import ctypes
 import sys
-import threading
-import time
+import tempfile
 
 import torch
 
 import ferrogrpc as fg
 
 
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def arenas() -> int:
+    """glibc's malloc arenas in this process (``<heap nr=`` in malloc_info)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    with tempfile.NamedTemporaryFile(suffix=".xml") as tmp:
+        stream = libc.fopen(tmp.name.encode(), b"w")
+        libc.malloc_info(0, stream)
+        libc.fclose(stream)
+        return open(tmp.name).read().count("<heap nr=")
 
 
 def main() -> None:
@@ -29,28 +38,17 @@ def main() -> None:
         # float32, so the result is checked exactly.
         t = torch.full((numel,), float(rank + 1))
         backend.barrier()
-        base = rss()
-        peak = base
-        running = True
+        base = fg.testing.rss()
 
-        def sample() -> None:
-            nonlocal peak
-            while running:
-                peak = max(peak, rss())
-                time.sleep(0.0005)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        try:
+        def run() -> None:
             for _ in range(calls):
                 backend.all_reduce(t)
-        finally:
-            running = False
-            sampler.join()
-        peak = max(peak, rss())
+
+        peak = fg.testing.peak_rss(run)
         expected = float(world * (world + 1) // 2 * world ** (calls - 1))
         assert bool(t.eq(expected).all()), (rank, t[:4], expected)
         print(f"PEAK_EXTRA {peak - base}", flush=True)
+        print(f"ARENAS {arenas()}", flush=True)
     print(f"OK rank {rank}/{world}", flush=True)
 
 
