@@ -55,9 +55,9 @@ async def rank_main(
     # Every rank starts at the same moment, so all of them stream all along.
     await asyncio.sleep(max(0.0, start_at - time.time()))
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{base + (rank + 1) % world}", options=OPTIONS)
-    call = channel.stream_unary("/ring/S", request_serializer=bytes, response_deserializer=bytes)(
-        wait_for_ready=True
-    )
+    method = channel.stream_unary("/ring/S", request_serializer=bytes, response_deserializer=bytes)
+    # grpc-stubs wants a request iterator; grpc.aio also takes writes.
+    call = method(wait_for_ready=True)  # type: ignore[call-arg]
     message = os.urandom(size)
     cpu = time.process_time()
     start = time.perf_counter()
@@ -68,7 +68,7 @@ async def rank_main(
     await done.wait()
     elapsed = time.perf_counter() - start
     cpu = time.process_time() - cpu
-    await channel.close()
+    await channel.close(None)
     await server.stop(0)
     return count * size / elapsed / 1e9, cpu * 1e3 / (count * size / 1e6)
 
