@@ -242,7 +242,7 @@ class DDP(nn.Module):
         return [list(b.names) for b in self._buckets]
 
     def _buffer(self, bucket: _Bucket) -> torch.Tensor:
-        buf = bucket.buffers[bucket.fill]
+        buf = bucket.buffer
         if buf is None:
             # Gradients, then one "had a gradient here" flag per parameter:
             # the flags ride along in the same all-reduce.

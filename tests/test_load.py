@@ -17,11 +17,6 @@ RSS_MARGIN = 48 << 20  # bytes
 FD_MARGIN = 8
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -54,7 +49,7 @@ async def test_two_thousand_collectives_and_sixty_four_in_flight(
     async with fg.testing.local_group(4) as peers:
         for i in range(200):  # warm up: connections, allocator, caches
             await _round(peers, i)
-        rss0, fds0 = _rss(), _fds()
+        rss0, fds0 = fg.testing.rss(), _fds()
         start = time.monotonic()
         for i in range(200, 2000):
             await _round(peers, i)
@@ -66,7 +61,7 @@ async def test_two_thousand_collectives_and_sixty_four_in_flight(
             expected = sum(float(r * 100 + k) for r in range(4))
             for r in range(4):
                 assert bool(inputs[r][k].eq(expected).all()), (r, k)
-        rss1, fds1 = _rss(), _fds()
+        rss1, fds1 = fg.testing.rss(), _fds()
         report(
             f"load: 1800 collectives in {serial:.2f}s ({serial / 1800 * 1e3:.2f} ms each, 4 ranks "
             f"in one loop); RSS {rss0 >> 20} -> {rss1 >> 20} MiB, fds {fds0} -> {fds1}"
