@@ -12,7 +12,12 @@ rank = int(os.environ["RANK"])
 mode = sys.argv[1] if len(sys.argv) > 1 else "fail"
 if mode == "sleep":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-print(f"rank {rank} of {os.environ['WORLD_SIZE']} port {os.environ['MASTER_PORT']}", flush=True)
+# One write per line: the ranks share the launcher's stdout, and under
+# PYTHONUNBUFFERED print() writes the text and its newline separately, so two
+# ranks' lines could interleave ("rank 0 ...rank 1 ...\n\n") and a reader
+# counting lines would wait forever.
+sys.stdout.write(f"rank {rank} of {os.environ['WORLD_SIZE']} port {os.environ['MASTER_PORT']}\n")
+sys.stdout.flush()
 if mode == "sleep":
     time.sleep(60)
     sys.exit(0)
