@@ -165,6 +165,8 @@ class LaneRunner:
         # as (neighbour, description), and when anything last completed.
         self.waiting: dict[str, tuple[int, str]] = {}
         self.progress_at = time.monotonic()
+        # The first of this lane's tasks to fail, and why (see run()).
+        self.failure: Exception | None = None
 
     def _error(self, cls: type[FerroGrpcError], message: str, peer: int | None) -> FerroGrpcError:
         return self.peer.error(cls, message, op=self.job.name, seq=self.job.seq, peer=peer)
@@ -172,10 +174,24 @@ class LaneRunner:
     async def run(self) -> None:
         try:
             async with asyncio.TaskGroup() as tg:
-                work = [tg.create_task(self._send()), tg.create_task(self._receive())]
-                tg.create_task(self._watchdog(work))
+                work = [
+                    tg.create_task(self._first_failure(self._send())),
+                    tg.create_task(self._first_failure(self._receive())),
+                ]
+                tg.create_task(self._first_failure(self._watchdog(work)))
         except BaseException as exc:
             await self._abort_downstream(exc)
+            raise
+
+    async def _first_failure(self, work: Awaitable[None]) -> None:
+        """Run one of the lane's tasks, noting the first failure among them
+        before the TaskGroup cancels the others: a task cancelled because of
+        it then reports that cause, not its own cancellation."""
+        try:
+            await work
+        except Exception as exc:
+            if self.failure is None:
+                self.failure = exc
             raise
 
     def _cause(self, exc: BaseException) -> FerroGrpcError:
@@ -185,6 +201,9 @@ class LaneRunner:
             for inner in exc.exceptions:
                 if not isinstance(inner, asyncio.CancelledError):
                     return self._cause(inner)
+        if self.failure is not None and self.failure is not exc:
+            # Cancelled because a sibling task failed: that is the cause.
+            return self._cause(self.failure)
         broken = self.peer.broken
         if broken is not None:
             return broken

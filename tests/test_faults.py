@@ -5,6 +5,7 @@ with the original cause and closes cleanly. Plus: a failed DDP sync leaves
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import os
@@ -279,3 +280,24 @@ async def test_gone_neighbour_is_named_long_before_the_idle_timeout(
     assert info.value.peer == 1, info.value
     assert "gone" in str(info.value), info.value
     assert elapsed < 10, elapsed
+
+
+@pytest.mark.timeout(60)
+async def test_a_lane_task_cancelled_for_a_siblings_failure_reports_that_failure() -> None:
+    # When a lane's sender fails, the TaskGroup cancels its receiver, which
+    # then tells the left neighbour why its stream is failed. That reason
+    # must be the sender's failure (naming the rank it could not reach), not
+    # the receiver's own cancellation: a CI run once had rank 0 name rank 1,
+    # "the collective was interrupted", after rank 2 was SIGKILLed.
+    from ferrogrpc.collectives import LaneRunner, build_plans
+    from ferrogrpc.v1 import collective_pb2 as pb
+
+    async with fg.testing.local_group(2, transport="memory") as peers:
+        peer = peers[0]
+        job = peer._job(pb.ALL_REDUCE, "all_reduce", torch.ones(8), fg.ReduceOp.SUM)
+        runner = LaneRunner(peer, job, 0, build_plans(job, 0, 2, 1, 0)[0])
+        runner.failure = fg.PeerError("sending: rank 1 is gone", peer=1)
+        cause = runner._cause(asyncio.CancelledError())
+        assert cause.peer == 1 and "rank 1 is gone" in str(cause), cause
+        assert "interrupted" not in str(cause), cause
+        peer._pending.discard(job.seq)  # the job never ran
