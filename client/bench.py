@@ -1,12 +1,17 @@
 """Collective benchmark: ferrogrpc against torch.distributed's gloo, same run.
 
-Prints an nccl-tests style table per world size: size, time, algbw, busbw for
-both, the ferrogrpc/gloo busbw ratio, and each rank's peak extra RSS during
-the ferrogrpc collective as a fraction of the tensor size (measured first,
-largest size first, so the largest size's figure is that of a process that
-has run no ferrogrpc collective yet). The
-implementations take turns, one iteration each, so that the shared machine's
-slow and fast spells fall on all of them alike.
+Prints an nccl-tests style table per world size: size, then time and busbw
+for gloo and for ferrogrpc's two data paths, each as a ratio to gloo: the
+same-host path (shared memory, the default when ranks share a host) and the
+gRPC path (``FERROGRPC_SHM=0``), the latter with its chunk checksum on (the
+default) and off. Then each rank's peak extra RSS during its first
+ferrogrpc collectives at that size, as a fraction of the tensor size
+(measured first, largest size first, so the largest size's figure is that of
+a process that has run no ferrogrpc collective yet); for the same-host path
+the shared segments count divided among the ranks that map them. The
+implementations take turns, one iteration each, in an order that rotates,
+so that the shared machine's slow and fast spells fall on all of them alike.
+Every result is checked whole against the exact expected value (``ok``).
 
     python -m client.bench --world-sizes 2 4 --min-size 1M --max-size 256M --iters 5
 """
@@ -26,8 +31,10 @@ from typing import Any
 from ferrogrpc.launch import free_port, spawn_ranks
 
 MiB = 1 << 20
-NO_CRC = "ferrogrpc-nocrc"
-IMPLS = ("gloo", "ferrogrpc", NO_CRC)
+SHM = "shm"
+GRPC = "grpc"
+NO_CRC = "grpc-nocrc"
+IMPLS = ("gloo", SHM, GRPC, NO_CRC)
 
 
 def parse_size(text: str) -> int:
@@ -44,6 +51,12 @@ def rotated(names: list[str], i: int) -> list[str]:
     the same other one."""
     k = i % len(names)
     return names[k:] + names[:k]
+
+
+def result_ok(t: Any, expected: float) -> bool:
+    """Whether every element of the tensor ``t`` equals ``expected``: the ok
+    column checks the whole result, not a sample of it."""
+    return bool(t.eq(expected).all())
 
 
 def _measure(
@@ -87,28 +100,39 @@ def worker(args: argparse.Namespace) -> None:
         rank=rank,
         world_size=world,
     )
-    backend = fg.init_backend(checksum=not args.no_checksum)
-    crc = backend.peer.checksum
+    # Two ferrogrpc groups: the default (same-host plane on) and every byte
+    # over gRPC; each its own backend, rendezvous and loop thread.
+    backends = {
+        SHM: fg.init_backend(checksum=not args.no_checksum),
+        GRPC: fg.init_backend(checksum=not args.no_checksum, shm=False, master_port=args.grpc_port),
+    }
+    crc = fg.testing.checksum(backends[GRPC])
     # Memory first, alone, largest size first: the largest size's figure is
-    # then that of a process that has run no ferrogrpc collective yet
-    # (gloo's set-up has run), so it includes every buffer the first call
-    # grows (later calls reuse them). The heap is shared, so no other
+    # then that of a process that has run no such collective yet (gloo's
+    # set-up has run), so it includes every buffer the first call grows
+    # (later calls reuse them). The heap is shared, so no other
     # implementation runs before or during this.
-    rss_extra: dict[int, int] = {}
+    rss_extra: dict[str, dict[int, int]] = {SHM: {}, GRPC: {}}
     rss_ok: dict[int, bool] = {}
     calls = args.warmup + 1
-    for size in sorted(args.sizes, reverse=True):
-        t = torch.ones(size // 4, dtype=torch.float32)
+    for path in (SHM, GRPC):
+        backend = backends[path]
+        for size in sorted(args.sizes, reverse=True):
+            t = torch.ones(size // 4, dtype=torch.float32)
 
-        def first_calls(t: torch.Tensor = t) -> None:
-            for _ in range(calls):
-                backend.all_reduce(t)
+            def first_calls(t: torch.Tensor = t, backend: fg.Backend = backend) -> None:
+                for _ in range(calls):
+                    backend.all_reduce(t)
 
-        dist.barrier()
-        base = fg.testing.rss()
-        rss_extra[size] = fg.testing.peak_rss(first_calls) - base
-        rss_ok[size] = bool(t[0].item() == t[-1].item() == float(world**calls))
-        del first_calls, t
+            dist.barrier()
+            base, shared = fg.testing.rss(), _rss_shmem()
+            peak = fg.testing.peak_rss(first_calls) - base
+            # Shared segments are mapped by every rank of the host: count
+            # this rank's share of them.
+            mapped = _rss_shmem() - shared
+            rss_extra[path][size] = peak - mapped + mapped // world
+            rss_ok[size] = rss_ok.get(size, True) and result_ok(t, float(world**calls))
+            del first_calls, t
     rows = []
     for size in args.sizes:
         numel = size // 4
@@ -118,28 +142,30 @@ def worker(args: argparse.Namespace) -> None:
             dist.all_reduce(t)
 
         def fg_op(impl: str, t: torch.Tensor) -> Callable[[], None]:
+            backend = backends[SHM if impl == SHM else GRPC]
             checksum = None if impl == NO_CRC else crc
 
             def op() -> None:
-                # Every rank switches between the same collectives, in turn.
-                backend.peer.checksum = checksum
+                if impl != SHM:
+                    # Every rank switches between the same collectives, in turn.
+                    fg.testing.set_checksum(backend, checksum)
                 backend.all_reduce(t)
 
             return op
 
-        ops = {
-            "gloo": gloo_op,
-            "ferrogrpc": fg_op("ferrogrpc", tensors["ferrogrpc"]),
-            NO_CRC: fg_op(NO_CRC, tensors[NO_CRC]),
-        }
+        ops = {"gloo": gloo_op, **{impl: fg_op(impl, tensors[impl]) for impl in IMPLS[1:]}}
         times = _measure(ops, dist.barrier, args.iters, args.warmup)
         calls_made = args.iters + args.warmup
-        result: dict[str, Any] = {"size": size, "rss_extra": rss_extra[size]}
+        result: dict[str, Any] = {
+            "size": size,
+            "rss_shm": rss_extra[SHM][size],
+            "rss_grpc": rss_extra[GRPC][size],
+        }
+        expected = float(world**calls_made)
         for impl in IMPLS:
-            t = tensors[impl]
-            expected = float(world**calls_made)
-            ok = bool(t[0].item() == expected and t[-1].item() == expected)
-            if impl == "ferrogrpc":
+            # The whole result, every element, exactly.
+            ok = result_ok(tensors[impl], expected)
+            if impl != "gloo":
                 ok = ok and rss_ok[size]
             result[impl] = {"times": times[impl], "ok": ok}
         del tensors
@@ -148,12 +174,23 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(gathered, rows)
     if rank == 0:
         print("RESULT " + json.dumps(gathered), flush=True)
-    backend.close()
+    for backend in backends.values():
+        backend.close()
     dist.destroy_process_group()
+
+
+def _rss_shmem() -> int:
+    """Resident shared-memory bytes of this process (RssShmem)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def run_world(world: int, args: argparse.Namespace) -> list[Any]:
     cmd = [sys.executable, "-m", "client.bench", "--worker", "--gloo-port", str(free_port())]
+    cmd += ["--grpc-port", str(free_port())]
     cmd += ["--iters", str(args.iters), "--warmup", str(args.warmup)]
     cmd += ["--sizes", *[str(s) for s in args.sizes]]
     if args.no_checksum:
@@ -182,10 +219,11 @@ def report(world: int, per_rank: list[list[dict[str, Any]]]) -> str:
     iters = len(per_rank[0][0]["gloo"]["times"])
     lines = [
         f"# all_reduce float32, world_size {world}, median of {iters} interleaved iterations "
-        "(time = slowest rank); ferrogrpc with its checksum (CRC-32) on (default) and off",
-        f"{'size':>8} {'gloo ms':>8} {'gloo busbw':>10} {'fg ms':>8} {'fg algbw':>8} "
-        f"{'fg busbw':>8} {'fg/gloo':>7} {'nocrc busbw':>11} {'nocrc/gloo':>10} "
-        f"{'peak RSS/size':>13} {'ok':>3}",
+        "(time = slowest rank); busbw in GB/s; x = busbw / gloo's; shm: same-host path "
+        "(default), grpc: FERROGRPC_SHM=0, checksum on (default) and off",
+        f"{'size':>8} {'gloo ms':>8} {'busbw':>6} | {'shm ms':>8} {'busbw':>6} {'x':>5} | "
+        f"{'grpc ms':>8} {'busbw':>6} {'x':>5} | {'nocrc':>6} {'x':>5} | "
+        f"{'RSS/size shm':>12} {'grpc':>5} {'ok':>3}",
     ]
     for i, row in enumerate(per_rank[0]):
         size = row["size"]
@@ -193,20 +231,34 @@ def report(world: int, per_rank: list[list[dict[str, Any]]]) -> str:
         for impl in IMPLS:
             slowest = [max(r[i][impl]["times"][k] for r in per_rank) for k in range(iters)]
             med[impl] = statistics.median(slowest)
-        rss = max(r[i]["rss_extra"] for r in per_rank) / size
+        rss_shm = max(r[i]["rss_shm"] for r in per_rank) / size
+        rss_grpc = max(r[i]["rss_grpc"] for r in per_rank) / size
         ok = all(r[i][impl]["ok"] for r in per_rank for impl in IMPLS)
         bus = {impl: size / med[impl] * factor / 1e9 for impl in IMPLS}
         lines.append(
-            f"{fmt_size(size):>8} {med['gloo'] * 1e3:8.2f} {bus['gloo']:5.3f} GB/s "
-            f"{med['ferrogrpc'] * 1e3:8.2f} {size / med['ferrogrpc'] / 1e9:8.3f} "
-            f"{bus['ferrogrpc']:8.3f} {bus['ferrogrpc'] / bus['gloo']:7.2f} "
-            f"{bus[NO_CRC]:6.3f} GB/s {bus[NO_CRC] / bus['gloo']:10.2f} "
-            f"{rss:13.3f} {'yes' if ok else 'NO':>3}"
+            f"{fmt_size(size):>8} {med['gloo'] * 1e3:8.2f} {bus['gloo']:6.3f} | "
+            f"{med[SHM] * 1e3:8.2f} {bus[SHM]:6.3f} {bus[SHM] / bus['gloo']:5.2f} | "
+            f"{med[GRPC] * 1e3:8.2f} {bus[GRPC]:6.3f} {bus[GRPC] / bus['gloo']:5.2f} | "
+            f"{bus[NO_CRC]:6.3f} {bus[NO_CRC] / bus['gloo']:5.2f} | "
+            f"{rss_shm:12.3f} {rss_grpc:5.3f} {'yes' if ok else 'NO':>3}"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--latency" in argv:
+        from client.bench_latency import main as latency_main
+
+        argv.remove("--latency")
+        return latency_main(argv)
+    if "--torch" in argv:
+        # torch's DDP on gloo and on ferrogrpc (and ferrogrpc's own DDP),
+        # same model, same run.
+        from client.bench_train import main as train_main
+
+        argv.remove("--torch")
+        return train_main(["--wrapper", "ddp", *argv])
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -218,8 +270,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--no-checksum", action="store_true", help="turn the chunk checksum off")
+    parser.add_argument(
+        "--latency",
+        action="store_true",
+        help="instead: small collectives' latency against gloo (client.bench_latency)",
+    )
+    parser.add_argument(
+        "--torch",
+        action="store_true",
+        help="instead: torch DDP on gloo and on ferrogrpc, same model (client.bench_train)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gloo-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--grpc-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not args.sizes:
         sizes = []

@@ -35,7 +35,7 @@ def worker(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     with fg.init_backend() as backend:
         rank = backend.rank
-        stats = backend.peer.stats
+        stats = fg.testing.stats(backend)
         for mode in MODES:
             start = time.monotonic()
             sent0 = stats.bytes_sent

@@ -13,25 +13,14 @@ all_reduce took 183 ms with torch's default of 2 threads and 155 ms with 1.
 OpenMP's thread count is a per-thread setting, so this changes only the
 calling thread; the training loop's own ops keep torch's setting. It is
 called on the backend's loop thread when it starts. ``FERROGRPC_REDUCE_THREADS``
-sets another count (``0`` leaves torch's setting alone).
+(Settings.reduce_threads) sets another count (``0`` leaves torch's setting
+alone).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-
-from .errors import ConfigError
-from .options import REDUCE_THREADS_ENV, _env_int
-
-
-def loop_thread_count() -> int:
-    """The configured count (``FERROGRPC_REDUCE_THREADS``, default 1; 0 means
-    leave torch's setting). Raises ConfigError when it is malformed."""
-    count = _env_int(REDUCE_THREADS_ENV, 1)
-    if count < 0:
-        raise ConfigError(f"{REDUCE_THREADS_ENV}={count} must be 0 or more")
-    return count
 
 
 def _loaded_gomp() -> ctypes.CDLL | None:

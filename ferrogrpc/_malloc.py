@@ -31,36 +31,30 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import sys
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
-MALLOC_TUNING_ENV = "FERROGRPC_MALLOC_TUNING"
 
 _done = False
 
 
-def _user_arena_max() -> bool:
-    """Whether the user capped glibc's arenas themselves."""
-    return "MALLOC_ARENA_MAX" in os.environ or "arena_max" in os.environ.get("GLIBC_TUNABLES", "")
-
-
 def tune_allocator(
-    mmap_threshold: int = 64 << 20, trim_threshold: int = 256 << 20, arena_max: int = 1
+    enabled: bool,
+    cap_arenas: bool = True,
+    mmap_threshold: int = 64 << 20,
+    trim_threshold: int = 256 << 20,
+    arena_max: int = 1,
 ) -> bool:
-    """Raise glibc's mmap and trim thresholds and cap its arenas, once per
-    process. Returns whether it was applied (False off glibc or when
-    disabled)."""
+    """Raise glibc's mmap and trim thresholds and, with ``cap_arenas``, cap
+    its arenas, once per process. ``enabled`` and ``cap_arenas`` come from
+    Settings (``FERROGRPC_MALLOC_TUNING``; a user's own arena cap). Returns
+    whether it was applied (False off glibc or when disabled)."""
     global _done
     if _done:
         return True
-    if os.environ.get(MALLOC_TUNING_ENV, "1") in (
-        "0",
-        "false",
-        "no",
-    ) or not sys.platform.startswith("linux"):
+    if not enabled or not sys.platform.startswith("linux"):
         return False
     name = ctypes.util.find_library("c")
     if not name:
@@ -73,7 +67,7 @@ def tune_allocator(
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     settings = [(_M_MMAP_THRESHOLD, mmap_threshold), (_M_TRIM_THRESHOLD, trim_threshold)]
-    if not _user_arena_max():
+    if cap_arenas:
         settings.append((_M_ARENA_MAX, arena_max))
     ok = all([mallopt(option, value) for option, value in settings])
     _done = ok

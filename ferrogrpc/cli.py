@@ -10,11 +10,13 @@ import time
 
 def _status(target: str) -> int:
     from .coordinator import fetch_status
-    from .errors import RendezvousError
+    from .errors import ConfigError, RendezvousError
+    from .settings import Settings
 
     try:
-        status = asyncio.run(fetch_status(target))
-    except RendezvousError as exc:
+        s = Settings.from_env()  # FERROGRPC_TOKEN and FERROGRPC_TLS_*, as the coordinator's
+        status = asyncio.run(fetch_status(target, token=s.token, tls=s.tls))
+    except (ConfigError, RendezvousError) as exc:
         print(f"ferrogrpc status: {exc}", file=sys.stderr)
         return 1
     print(f"coordinator {target}: run {status.run_id}, {status.joined}/{status.world_size} joined")

@@ -4,6 +4,14 @@ table and status, receives heartbeats, and answers ``grpc.health.v1``.
 
 :class:`Coordinator` is the service (run it with ``ferrogrpc coordinator`` or
 ``python -m server``); :class:`CoordinatorRendezvous` is how a peer joins it.
+
+With a token (``FERROGRPC_TOKEN``) every call without it is refused with
+UNAUTHENTICATED, and with ``FERROGRPC_TLS_*`` every connection is mutual
+TLS, exactly as between peers (grpc_auth.py); the ranks, ``ferrogrpc
+status`` and the healthcheck use the same settings. A joiner's identity is a
+random id only it knows, and a rank's slot belongs to exactly one live Join
+call. What a joiner may send is capped (see ``Limits``); a request that
+breaks a cap is refused at once, and logged in one rate-limited line.
 """
 
 from __future__ import annotations
@@ -13,20 +21,71 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from .coordinator_client import SERVICE
+from .coordinator_client import CoordinatorRendezvous as CoordinatorRendezvous
+from .coordinator_client import fetch_status as fetch_status
 from .errors import ConfigError, RendezvousError
-from .rendezvous import RendezvousResult
+from .grpc_auth import add_port, interceptors
+from .options import TLSConfig
 from .v1 import rendezvous_pb2 as rpb
 
 logger = logging.getLogger("ferrogrpc.coordinator")
 
-SERVICE = "ferrogrpc.v1.Rendezvous"
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one joiner may send. ``request_bytes`` is gRPC's receive limit
+    (a longer message is refused by gRPC before it is read); the others cap
+    a Join's fields, in characters; ``peer_id_min`` keeps ids unguessable
+    (and rules out the protobuf default, ""); ``max_ranks`` caps the members
+    of an elastic round (``FERROGRPC_MAX_RANKS``); the fixed world size caps
+    the others."""
+
+    request_bytes: int = 16 << 10
+    address: int = 512
+    host: int = 256
+    nonce: int = 128
+    peer_id_min: int = 16
+    peer_id_max: int = 128
+    run_id: int = 64
+    collective: int = 128
+    max_ranks: int = 1024
+
+
+class _RateLimitedLog:
+    """Warnings about bad requests, at most one line per ``interval``
+    seconds; the next line says how many were left out meanwhile."""
+
+    def __init__(self, interval: float = 1.0) -> None:
+        self.interval = interval
+        self._last = -float("inf")
+        self._dropped = 0
+
+    def warning(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval:
+            self._dropped += 1
+            return
+        more = f" (and {self._dropped} more since)" if self._dropped else ""
+        self._last, self._dropped = now, 0
+        logger.warning("%s%s", message.replace("\n", " ")[:300], more)
+
+
+class _Call:
+    """One live Join call: the slot it holds is lost if a newer Join with
+    the same identity takes the slot over."""
+
+    __slots__ = ("superseded",)
+
+    def __init__(self) -> None:
+        self.superseded = asyncio.Event()
 
 
 @dataclasses.dataclass
@@ -35,9 +94,12 @@ class _Member:
     address: str
     peer_id: str
     nonce: str = ""
+    host: str = ""
     last_heartbeat: float = 0.0
     collective: str = ""
     seq: int = 0
+    # The one live Join call that owns this slot.
+    owner: _Call | None = None
 
 
 class Coordinator:
@@ -46,11 +108,25 @@ class Coordinator:
     Peers call Join; each is given the lowest free rank (or the rank it asks
     for, if free) and waits until ``world_size`` peers have joined, then all
     receive the same table. A peer that retries Join with the same peer_id
-    gets its rank back. Once a round is complete, a Join from a new peer
-    starts a new round (a restarted job) with a new run_id.
+    gets its rank back: the newer call takes the slot over, and the older
+    one, if still waiting, fails with ABORTED, so no two calls ever hold one
+    slot. Once a round is complete, a Join from a new peer starts a new
+    round (a restarted job) with a new run_id.
+
+    ``token`` and ``tls`` secure it as they secure peers; ``limits`` caps
+    what joiners may send.
     """
 
-    def __init__(self, world_size: int, *, min_ranks: int = 1, join_window: float = 5.0) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        min_ranks: int = 1,
+        join_window: float = 5.0,
+        token: str | None = None,
+        tls: TLSConfig | None = None,
+        limits: Limits | None = None,
+    ) -> None:
         if world_size < 0:
             raise ConfigError(
                 f"world_size must be >= 0 (0: decided by who joins), got {world_size}"
@@ -73,6 +149,10 @@ class Coordinator:
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.port = 0
+        self.token = token
+        self.tls = tls
+        self.limits = limits or Limits()
+        self._bad_requests = _RateLimitedLog()
 
     # ------------------------------------------------------------- handlers
 
@@ -88,6 +168,7 @@ class Coordinator:
             world_size=self.world_size,
             addresses=[m.address for m in ordered],
             nonces=[m.nonce for m in ordered],
+            hosts=[m.host for m in ordered],
             run_id=self.run_id,
         )
         # Keep only the latest few rounds' answers.
@@ -102,71 +183,89 @@ class Coordinator:
         self.run_id = uuid.uuid4().hex[:12]
         logger.info("new rendezvous round %s", self.run_id)
 
-    async def join(
+    @property
+    def joined(self) -> int:
+        """How many peers hold a slot in the current round."""
+        return len(self._members)
+
+    # ----------------------------------------------------- bad requests
+
+    async def _refuse(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        code: grpc.StatusCode,
+        what: str,
+        why: str,
+    ) -> None:
+        """Fail the call at once with ``code``, and log one rate-limited line
+        (never the request itself, nor a traceback)."""
+        self._bad_requests.warning(f"refused a {what} from {context.peer()}: {why}")
+        await context.abort(code, why)
+
+    async def _parse(
+        self, raw: bytes, cls: type[Any], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> Any:
+        name = cls.DESCRIPTOR.name
+        try:
+            message: Message = cls.FromString(raw)
+        except DecodeError as exc:
+            await self._refuse(
+                context, grpc.StatusCode.INVALID_ARGUMENT, name, f"undecodable ({exc})"
+            )
+        return message
+
+    def _join_problem(self, request: rpb.JoinRequest) -> str | None:
+        """Why ``request`` breaks a limit, or None."""
+        lim = self.limits
+        for field, most in (("address", lim.address), ("host", lim.host), ("nonce", lim.nonce)):
+            n = len(getattr(request, field))
+            if n > most:
+                return f"{field} of {n} characters; at most {most}"
+        if not lim.peer_id_min <= len(request.peer_id) <= lim.peer_id_max:
+            return (
+                f"peer_id of {len(request.peer_id)} characters; it must be a random id of "
+                f"{lim.peer_id_min} to {lim.peer_id_max}"
+            )
+        if not request.address:
+            return "no address"
+        return None
+
+    # ------------------------------------------------------------- handlers
+
+    async def join(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        request: rpb.JoinRequest = await self._parse(raw, rpb.JoinRequest, context)
+        problem = self._join_problem(request)
+        if problem is not None:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "Join", problem)
+        return (await self._join(request, context)).SerializeToString()
+
+    async def _join(
         self, request: rpb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> rpb.JoinResponse:
-        for member in self._members.values():
-            if member.peer_id == request.peer_id:
-                break
-        else:
+        call = _Call()
+        member = next((m for m in self._members.values() if m.peer_id == request.peer_id), None)
+        if member is not None and not self._complete.is_set():
+            # A retry of a Join still waiting: this call takes the slot over.
+            if member.owner is not None:
+                member.owner.superseded.set()
+            member.owner = call
+            member.address, member.nonce, member.host = request.address, request.nonce, request.host
+        elif member is None:
             if self._complete.is_set():
                 self._new_round()
-            taken = set(self._members)
-            elastic = self.fixed_world_size == 0
-            if request.requested_rank >= 0:
-                if (
-                    elastic
-                    or request.requested_rank >= self.world_size
-                    or request.requested_rank in taken
-                ):
-                    await context.abort(
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        f"rank {request.requested_rank} is taken or outside world_size "
-                        f"{self.world_size}",
-                    )
-                rank = request.requested_rank
-            elif elastic:
-                rank = len(self._members)
-            else:
-                rank = min(set(range(self.world_size)) - taken)
-            member = _Member(rank, request.address, request.peer_id, request.nonce, time.time())
-            self._members[rank] = member
-            logger.info(
-                "rank %d joined from %s (%d/%d)",
-                rank,
-                request.address,
-                len(self._members),
-                self.world_size,
-            )
-            if elastic:
-                if self._release_timer is not None:
-                    self._release_timer.cancel()
-                    self._release_timer = None
-                if len(self._members) >= self.min_ranks:
-                    self._release_timer = asyncio.get_running_loop().call_later(
-                        self.join_window, self._release
-                    )
-            elif len(self._members) == self.world_size:
-                self._complete_round()
+            member = await self._assign(request, context, call)
         complete = self._complete
-        try:
-            await complete.wait()
-        except asyncio.CancelledError:
-            # The joiner gave up (or died) before the round completed: free
-            # its slot so that its replacement does not join a dead address.
-            if not complete.is_set() and self._members.get(member.rank) is member:
-                del self._members[member.rank]
-                logger.info("rank %d left before the round completed", member.rank)
-                if self.fixed_world_size == 0:
-                    # Elastic ranks are dense: renumber the ones still waiting.
-                    remaining = sorted(self._members.values(), key=lambda m: m.rank)
-                    self._members = dict(enumerate(remaining))
-                    for rank, m in self._members.items():
-                        m.rank = rank
-                    if len(self._members) < self.min_ranks and self._release_timer is not None:
-                        self._release_timer.cancel()
-                        self._release_timer = None
-            raise
+        if not complete.is_set():
+            try:
+                await _first(complete.wait(), call.superseded.wait())
+            except asyncio.CancelledError:
+                self._left(member, call, complete)
+                raise
+        if call.superseded.is_set():
+            await context.abort(
+                grpc.StatusCode.ABORTED,
+                f"rank {member.rank}'s slot was taken over by a newer Join with this peer's id",
+            )
         # Answer from the round this peer joined, even if a newer round has
         # started since the release.
         result = self._results[id(complete)]
@@ -176,11 +275,93 @@ class Coordinator:
             addresses=result.addresses,
             run_id=result.run_id,
             nonces=result.nonces,
+            hosts=result.hosts,
         )
 
-    async def heartbeat(
-        self, request: rpb.HeartbeatRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> rpb.HeartbeatResponse:
+    async def _assign(
+        self, request: rpb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any], call: _Call
+    ) -> _Member:
+        """A slot for a new joiner, owned by ``call``; refuses at once if
+        there is none."""
+        taken = set(self._members)
+        elastic = self.fixed_world_size == 0
+        if request.requested_rank >= 0:
+            if (
+                elastic
+                or request.requested_rank >= self.world_size
+                or request.requested_rank in taken
+            ):
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"rank {request.requested_rank} is taken or outside world_size "
+                    f"{self.world_size}",
+                )
+            rank = request.requested_rank
+        elif elastic:
+            if len(self._members) >= self.limits.max_ranks:
+                await self._refuse(
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "Join",
+                    f"the round already has {len(self._members)} ranks, the most it takes "
+                    "(FERROGRPC_MAX_RANKS)",
+                )
+            rank = len(self._members)
+        else:
+            free = set(range(self.world_size)) - taken
+            if not free:
+                await self._refuse(
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "Join",
+                    f"all {self.world_size} ranks are taken",
+                )
+            rank = min(free)
+        member = _Member(
+            rank, request.address, request.peer_id, request.nonce, request.host, time.time()
+        )
+        member.owner = call
+        self._members[rank] = member
+        logger.info("rank %d joined (%d/%d)", rank, len(self._members), self.world_size)
+        if elastic:
+            if self._release_timer is not None:
+                self._release_timer.cancel()
+                self._release_timer = None
+            if len(self._members) >= self.min_ranks:
+                self._release_timer = asyncio.get_running_loop().call_later(
+                    self.join_window, self._release
+                )
+        elif len(self._members) == self.world_size:
+            self._complete_round()
+        return member
+
+    def _left(self, member: _Member, call: _Call, complete: asyncio.Event) -> None:
+        """The call gave up (or its joiner died) before the round completed:
+        free its slot, if the call still owns it, so that its replacement
+        does not join a dead address."""
+        if complete.is_set() or member.owner is not call:
+            return
+        if self._members.get(member.rank) is not member:
+            return
+        del self._members[member.rank]
+        logger.info("rank %d left before the round completed", member.rank)
+        if self.fixed_world_size == 0:
+            # Elastic ranks are dense: renumber the ones still waiting.
+            remaining = sorted(self._members.values(), key=lambda m: m.rank)
+            self._members = dict(enumerate(remaining))
+            for rank, m in self._members.items():
+                m.rank = rank
+            if len(self._members) < self.min_ranks and self._release_timer is not None:
+                self._release_timer.cancel()
+                self._release_timer = None
+
+    async def heartbeat(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        request: rpb.HeartbeatRequest = await self._parse(raw, rpb.HeartbeatRequest, context)
+        lim = self.limits
+        if len(request.run_id) > lim.run_id or len(request.collective) > lim.collective:
+            await self._refuse(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "Heartbeat", "oversized fields"
+            )
         member = self._members.get(request.rank)
         if member is None or request.run_id != self.run_id:
             await context.abort(
@@ -190,12 +371,11 @@ class Coordinator:
         member.last_heartbeat = time.time()
         member.collective = request.collective
         member.seq = request.seq
-        return rpb.HeartbeatResponse()
+        return rpb.HeartbeatResponse().SerializeToString()
 
-    async def status(
-        self, request: rpb.StatusRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> rpb.StatusResponse:
-        return rpb.StatusResponse(
+    async def status(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        await self._parse(raw, rpb.StatusRequest, context)
+        response = rpb.StatusResponse(
             world_size=self.world_size,
             joined=len(self._members),
             run_id=self.run_id,
@@ -210,32 +390,32 @@ class Coordinator:
                 for m in sorted(self._members.values(), key=lambda m: m.rank)
             ],
         )
+        return response.SerializeToString()
 
     # --------------------------------------------------------------- server
 
     async def start(self, bind: str = "0.0.0.0:0") -> int:
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", self.limits.request_bytes),
+            ],
+            interceptors=interceptors(self.token),
+        )
+        # Raw bytes in: requests are parsed (and refused) in the handlers, so
+        # that a malformed one is one log line, not grpc's traceback.
         handlers = {
-            "Join": grpc.unary_unary_rpc_method_handler(
-                self.join,
-                request_deserializer=rpb.JoinRequest.FromString,
-                response_serializer=rpb.JoinResponse.SerializeToString,
-            ),
-            "Heartbeat": grpc.unary_unary_rpc_method_handler(
-                self.heartbeat,
-                request_deserializer=rpb.HeartbeatRequest.FromString,
-                response_serializer=rpb.HeartbeatResponse.SerializeToString,
-            ),
-            "Status": grpc.unary_unary_rpc_method_handler(
-                self.status,
-                request_deserializer=rpb.StatusRequest.FromString,
-                response_serializer=rpb.StatusResponse.SerializeToString,
-            ),
+            name: grpc.unary_unary_rpc_method_handler(method)
+            for name, method in (
+                ("Join", self.join),
+                ("Heartbeat", self.heartbeat),
+                ("Status", self.status),
+            )
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
-            port = server.add_insecure_port(bind)
+            port = add_port(server, bind, self.tls)
         except RuntimeError as exc:
             raise RendezvousError(f"coordinator could not bind {bind}: {exc}") from exc
         if port == 0:
@@ -258,110 +438,11 @@ class Coordinator:
             await self._server.wait_for_termination()
 
 
-def _stub(channel: grpc.aio.Channel, name: str, request_type: Any, response_type: Any) -> Any:
-    return channel.unary_unary(
-        f"/{SERVICE}/{name}",
-        request_serializer=request_type.SerializeToString,
-        response_deserializer=response_type.FromString,
-    )
-
-
-class CoordinatorRendezvous:
-    """Join a coordinator at ``host:port``; the coordinator assigns the rank
-    (unless one is requested) and the world size. After joining, the peer
-    heartbeats every ``heartbeat_s`` seconds with its current collective."""
-
-    def __init__(self, target: str, *, timeout: float = 120.0, heartbeat_s: float = 2.0) -> None:
-        if ":" not in target:
-            raise ConfigError(f"coordinator address {target!r} must be host:port")
-        self.target = target
-        self.timeout = timeout
-        self.heartbeat_s = heartbeat_s
-        self.peer_id = uuid.uuid4().hex
-        self.rank = -1
-        self.run_id = ""
-        self._channel: grpc.aio.Channel | None = None
-        self._task: asyncio.Task[None] | None = None
-
-    async def exchange(
-        self, rank: int | None, world_size: int | None, address: str, nonce: str
-    ) -> RendezvousResult:
-        channel = grpc.aio.insecure_channel(self.target)
-        self._channel = channel
-        join = _stub(channel, "Join", rpb.JoinRequest, rpb.JoinResponse)
-        request = rpb.JoinRequest(
-            address=address,
-            requested_rank=-1 if rank is None else rank,
-            peer_id=self.peer_id,
-            nonce=nonce,
-        )
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                response = await join(
-                    request, timeout=max(1.0, deadline - time.monotonic()), wait_for_ready=True
-                )
-                break
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline:
-                    await asyncio.sleep(0.5)
-                    continue
-                await channel.close(None)
-                raise RendezvousError(
-                    f"joining the coordinator at {self.target} failed: "
-                    f"{exc.code().name} {exc.details()}"
-                ) from exc
-        if world_size is not None and world_size != response.world_size:
-            await channel.close(None)
-            raise ConfigError(
-                f"WORLD_SIZE={world_size} but the coordinator at {self.target} runs "
-                f"world_size={response.world_size}"
-            )
-        self.rank = response.rank
-        self.run_id = response.run_id
-        return RendezvousResult(
-            response.rank, response.world_size, list(response.addresses), list(response.nonces)
-        )
-
-    def start_heartbeats(self, current: Callable[[], tuple[str, int]]) -> None:
-        """Report ``current()`` (collective name, seq) every heartbeat period."""
-        if self._channel is None or self._task is not None:
-            return
-        beat = _stub(self._channel, "Heartbeat", rpb.HeartbeatRequest, rpb.HeartbeatResponse)
-
-        async def loop() -> None:
-            while True:
-                collective, seq = current()
-                try:
-                    await beat(
-                        rpb.HeartbeatRequest(
-                            rank=self.rank, run_id=self.run_id, collective=collective, seq=seq
-                        ),
-                        timeout=self.heartbeat_s,
-                    )
-                except grpc.aio.AioRpcError as exc:
-                    logger.debug("heartbeat to %s failed: %s", self.target, exc.code().name)
-                await asyncio.sleep(self.heartbeat_s)
-
-        self._task = asyncio.ensure_future(loop())
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
-        if self._channel is not None:
-            channel, self._channel = self._channel, None
-            await channel.close(None)
-
-
-async def fetch_status(target: str, timeout: float = 5.0) -> rpb.StatusResponse:
-    """One Status call to the coordinator at ``target``."""
-    async with grpc.aio.insecure_channel(target) as channel:
-        status = _stub(channel, "Status", rpb.StatusRequest, rpb.StatusResponse)
-        try:
-            response: rpb.StatusResponse = await status(rpb.StatusRequest(), timeout=timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise RendezvousError(
-                f"coordinator at {target}: {exc.code().name} {exc.details()}"
-            ) from exc
-        return response
+async def _first(*waits: Any) -> None:
+    """Wait until the first of ``waits`` (coroutines) finishes; cancel the rest."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -3,9 +3,9 @@ backward."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
-import json
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
@@ -13,11 +13,18 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .backend import Backend, Work
-from .errors import ConfigError
+from .backend import Backend
+from .errors import ConfigError, FerroGrpcError
+from .fingerprint import check_same_model
 from .ops import SUPPORTED_DTYPES
+from .work import Work
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+COMPRESSION: dict[str | None, torch.dtype | None] = {
+    None: None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 
 
 @dataclasses.dataclass
@@ -45,45 +52,6 @@ class _Bucket:
     def flags(self) -> torch.Tensor:
         assert self.buffer is not None
         return self.buffer[self.numel :]
-
-
-def _fingerprint(module: nn.Module) -> list[str]:
-    return [
-        f"{name}: shape={tuple(p.shape)} dtype={str(p.dtype).removeprefix('torch.')} "
-        f"requires_grad={p.requires_grad}"
-        for name, p in module.named_parameters()
-    ]
-
-
-def check_same_model(module: nn.Module, backend: Backend, what: str) -> None:
-    """Raise ConfigError on every rank if the ranks' parameter names, shapes
-    or dtypes differ, naming the first difference and both ranks' versions."""
-    entries = _fingerprint(module)
-    data = torch.tensor(list(json.dumps(entries).encode()), dtype=torch.int32)
-    sizes = backend.all_gather(torch.tensor([data.numel()], dtype=torch.int64))
-    longest = int(max(int(s.item()) for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.int32)
-    padded[: data.numel()] = data
-    gathered = backend.all_gather(padded)
-    tables: list[list[str]] = [
-        json.loads(bytes(g[: int(s.item())].tolist()).decode())
-        for g, s in zip(gathered, sizes, strict=True)
-    ]
-    reference = tables[0]
-    for other_rank, table in enumerate(tables[1:], start=1):
-        if table == reference:
-            continue
-        for i in range(max(len(reference), len(table))):
-            a = reference[i] if i < len(reference) else "<no parameter>"
-            b = table[i] if i < len(table) else "<no parameter>"
-            if a != b:
-                raise ConfigError(
-                    f"{what}: the ranks wrap different models; parameter #{i} differs: "
-                    f"rank 0 has {a!r}, rank {other_rank} has {b!r}",
-                    rank=backend.rank,
-                    world_size=backend.world_size,
-                    peer=other_rank,
-                )
 
 
 class DDP(nn.Module):
@@ -122,6 +90,13 @@ class DDP(nn.Module):
     the step keeps the ``.grad`` it had (``None`` after ``zero_grad()``), on
     every rank, so optimizers skip it exactly as in single-process training.
 
+    Compression: ``compression="bf16"`` (or ``"fp16"``) sends float32 and
+    float64 gradient buckets over gRPC in that dtype, halving the bytes on
+    the wire; every hop still accumulates in the bucket's own dtype, and the
+    averaged gradients are the same on every rank, within the error bound
+    the README gives for ``wire_dtype``. Ranks sharing a host exchange full
+    precision through shared memory.
+
     Failure: if an all-reduce fails, ``sync_gradients()`` raises the
     backend's error and every ``.grad`` is left exactly as it was before the
     call (results are written back only after every bucket succeeded); the
@@ -134,10 +109,17 @@ class DDP(nn.Module):
         backend: Backend,
         bucket_size_bytes: int = DEFAULT_BUCKET_BYTES,
         overlap: bool = True,
+        compression: str | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DDP wraps an nn.Module, got {type(module).__name__}")
+        if compression not in COMPRESSION:
+            raise ConfigError(
+                f"compression must be None, 'bf16' or 'fp16', got {compression!r}",
+                rank=backend.rank,
+                world_size=backend.world_size,
+            )
         if not isinstance(bucket_size_bytes, int) or bucket_size_bytes < 1:
             raise ConfigError(
                 f"bucket_size_bytes must be a positive int, got {bucket_size_bytes!r}"
@@ -146,6 +128,8 @@ class DDP(nn.Module):
         self._backend = backend
         self.bucket_size_bytes = bucket_size_bytes
         self.overlap = overlap
+        self.compression = compression
+        self._wire = COMPRESSION[compression]
         self._lock = threading.Lock()
         self._sync_enabled = True
         self._hooks: list[Any] = []
@@ -273,11 +257,21 @@ class DDP(nn.Module):
     def _launch(self, bucket: _Bucket, *, chain: bool) -> None:
         bucket.launched = True
         buf = self._buffer(bucket)
-        if chain:
-            # One bucket at a time, each starting when the previous is done.
-            bucket.work = self._backend._all_reduce_after(buf, "mean", self._last_work)
-        else:
-            bucket.work = self._backend.all_reduce(buf, "mean", async_op=True)
+        wire = self._wire if buf.dtype in (torch.float32, torch.float64) else None
+        # Chained: one bucket at a time, each starting when the previous is done.
+        after = self._last_work if chain else None
+        try:
+            bucket.work = self._backend.all_reduce(
+                buf, "mean", async_op=True, after=after, wire_dtype=wire
+            )
+        except FerroGrpcError as exc:
+            # The backend broke (a peer failed) while backward still runs:
+            # raising here, from an autograd hook, would abort backward
+            # halfway through accumulating .grad. The error is
+            # sync_gradients()'s to raise, with every .grad as it was.
+            failed: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
+            failed.set_exception(exc)
+            bucket.work = Work(failed, "all_reduce")
         self._last_work = bucket.work
 
     def _on_grad(self, p: torch.Tensor) -> None:

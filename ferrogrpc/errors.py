@@ -2,10 +2,38 @@
 
 Every error carries the identity of where it happened (``rank``, ``world_size``,
 ``peer``, ``op``, ``seq``, ``step``) and prints it as a prefix, for example
-``[rank 2/4 all_reduce#17 step 3 peer 1] ...``.
+``[rank 2/4 all_reduce#17 step 3 peer 1] ...``. It also carries the
+:class:`Evidence` behind it, set when it is built: the failure policy
+(``failure.py``) uses it to decide which rank to blame.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from typing import TypeVar
+
+
+class Evidence(enum.Enum):
+    """How this rank knows what an error says, for deciding whom to blame."""
+
+    # This rank saw it itself: bad data, a mismatch, a deadline, a stuck
+    # neighbour that did not answer.
+    FOUND = "found"
+    # A symptom: a stream that ended early, a write that failed. The named
+    # neighbour may only have failed because of something else, and its
+    # report of the cause may follow.
+    SYMPTOM = "symptom"
+    # The named peer cannot be reached at all: its server refuses
+    # connections, so its process is gone.
+    UNREACHABLE = "unreachable"
+    # Another rank's report of what it found, relayed to this rank.
+    RELAYED = "relayed"
+    # Another rank's own argument checks refused its call of this
+    # collective (``peer`` names it): the collective fails on every rank,
+    # and the group is not broken by it.
+    REFUSED = "refused"
 
 
 class FerroGrpcError(Exception):
@@ -13,7 +41,8 @@ class FerroGrpcError(Exception):
 
     ``rank`` is the rank that raised it, ``peer`` the rank the error is about
     (the culprit, where one is known), ``op`` and ``seq`` the collective and its
-    sequence number, ``step`` the ring step.
+    sequence number, ``step`` the ring step. ``evidence`` says how the
+    raising rank knows (see :class:`Evidence`).
     """
 
     def __init__(
@@ -27,6 +56,7 @@ class FerroGrpcError(Exception):
         op: str | None = None,
         seq: int | None = None,
         step: int | None = None,
+        evidence: Evidence = Evidence.FOUND,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -37,15 +67,7 @@ class FerroGrpcError(Exception):
         self.op = op
         self.seq = seq
         self.step = step
-        # True when this error may be the echo of a failure another rank
-        # found (a stream it failed on purpose), whose report may follow.
-        self.echo = False
-        # True when it carries another rank's report rather than what this
-        # rank found itself.
-        self.reported = False
-        # True when the peer could not be reached at all (its server refuses
-        # connections: the process is gone), as opposed to not answering.
-        self.gone = False
+        self.evidence = evidence
 
     def prefix(self) -> str:
         parts: list[str] = []
@@ -102,3 +124,52 @@ ERROR_CLASSES: dict[str, type[FerroGrpcError]] = {
         ProtocolError,
     )
 }
+
+E = TypeVar("E", bound=FerroGrpcError)
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """Who raises: this rank, the group's size and every rank's address.
+    Builds errors stamped with them."""
+
+    rank: int
+    world_size: int
+    addresses: Sequence[str] = ()
+
+    def address_of(self, rank: int) -> str:
+        return self.addresses[rank] if 0 <= rank < len(self.addresses) else "?"
+
+    def error(
+        self,
+        cls: type[E],
+        message: str,
+        *,
+        op: str | None = None,
+        seq: int | None = None,
+        peer: int | None = None,
+        evidence: Evidence = Evidence.FOUND,
+    ) -> E:
+        return cls(
+            message,
+            rank=self.rank,
+            world_size=self.world_size,
+            op=op,
+            seq=seq,
+            peer=peer,
+            peer_address=self.address_of(peer) if peer is not None else None,
+            evidence=evidence,
+        )
+
+    def stamp(
+        self, exc: FerroGrpcError, op: str, seq: int, peer: int | None = None
+    ) -> FerroGrpcError:
+        """``exc`` as raised here: an error built without a rank (by a
+        transport, say) gets this rank's identity, the collective, and
+        ``peer`` as the culprit unless it names one; its evidence is kept."""
+        if exc.rank is not None:
+            return exc
+        culprit = exc.peer if exc.peer is not None else peer
+        return self.error(
+            type(exc), exc.message, op=op, seq=seq, peer=culprit, evidence=exc.evidence
+        )

@@ -1,29 +1,26 @@
 """FSDP: every parameter sharded 1/world_size across ranks, all-gathered for
-forward, its gradient mean-reduce-scattered after backward."""
+forward, its gradient mean-reduce-scattered after backward; with units, one
+unit (a layer) at a time."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from .backend import Backend, Work
-from .ddp import check_same_model
+from .backend import Backend
 from .errors import ConfigError
+from .fingerprint import check_same_model
+from .fsdp_plan import ShardedParam, Units, plan_units, unit_matcher
+from .fsdp_units import UnitRuntime
 from .ops import SUPPORTED_DTYPES
+from .work import Work
 
-
-@dataclasses.dataclass
-class _Sharded:
-    name: str
-    param: nn.Parameter  # the module's own Parameter: empty between steps
-    shard: nn.Parameter  # this rank's shard, what optimizers train
-    shape: torch.Size
-    numel: int
-    shard_numel: int
+# The key of the metadata entry in a sharded state dict.
+SHARDED_META_KEY = "_ferrogrpc_fsdp_shard"
+SHARDED_FORMAT = 1
 
 
 class FSDP(nn.Module):
@@ -36,38 +33,95 @@ class FSDP(nn.Module):
     hooks and ``state_dict`` keys are unchanged) but hold no data between
     steps. ``fsdp.parameters()`` yields the shards: build the optimizer on it.
 
-    ``fsdp(x)`` all-gathers every parameter from its shards (all concurrently,
-    as tagged collectives), installs the full tensors into the module's
-    Parameters and runs the forward, so autograd accumulates full gradients.
-    ``sync_gradients()`` mean-reduce-scatters every full gradient
-    (concurrently), sets each shard's ``.grad`` and then frees the full
-    parameters and gradients. A parameter without a gradient on a rank counts
-    as zeros there.
+    ``units=None`` (one unit, the seed's plan): ``fsdp(x)`` all-gathers every
+    parameter (all concurrently), installs the full tensors and runs the
+    forward, so autograd accumulates full gradients; ``sync_gradients()``
+    mean-reduce-scatters every full gradient, sets each shard's ``.grad`` and
+    frees the full parameters and gradients. Peak memory is the whole model
+    plus its full gradients.
 
-    Synchronization: construction (model fingerprint check), every forward,
-    ``sync_gradients()``, ``full_state_dict()``, ``state_dict()`` and
-    ``into_inner()`` are collectives: every rank calls them in the same order.
-    ``load_full_state_dict()`` and ``update_shards()`` are local.
+    ``units={nn.Linear}`` (a set of module classes, matched with
+    isinstance) or ``units=lambda name, module: ...`` (a predicate on the
+    qualified name and the submodule): every matching submodule with
+    parameters that no inner unit owns is a *unit*; the wrapped module (the
+    root) holds the rest. A parameter registered under several units (tied
+    weights) belongs to their innermost common ancestor, the root at worst.
+    ``unit_layout()`` shows the result. Then:
 
-    Failure: a failed collective raises the backend's error; if it was
-    ``sync_gradients()``, the shards' ``.grad`` are left as they were.
+    - forward: a unit's parameters are all-gathered just before its forward
+      (a forward pre-hook) and, with ``reshard_after_forward=True``, freed
+      right after it; the next unit's gather is issued before the current
+      one computes (prefetch), in the execution order recorded in the first
+      forward. The root's parameters stay gathered until its backward.
+      (``reshard_after_forward`` applies to units; ``units=None`` ignores it.)
+    - backward: a hook on the unit's outputs gathers its parameters again
+      before autograd enters the unit, and prefetches the next unit's (in
+      reverse forward order). Once every gradient of the unit is in, its
+      gradients are mean-reduce-scattered at once, while backward goes on,
+      and the full gradients and parameters are freed. Reduce-scatters
+      start strictly in reverse forward order (a unit whose gradients are
+      late holds back the later ones), and when backward ends every unit
+      not yet started is (a parameter without a gradient counts as zeros).
+    - ``sync_gradients()`` waits for those reduce-scatters and only then sets
+      every shard's ``.grad``. Several backward passes before one sync add
+      up, as with ``units=None``.
+
+    A unit's parameters exist only during its forward and backward: code
+    that reads them elsewhere (a weight used outside its module's forward)
+    sees an empty tensor, and tensors computed inside a unit must reach the
+    rest of the model through the unit's outputs. A unit with frozen
+    parameters keeps them gathered until backward ends.
+
+    Synchronization: construction (a fingerprint of the parameters and the
+    units: a ConfigError on every rank if they differ), every forward and
+    backward (units gather and reduce-scatter from hooks, in an order fixed
+    by the model's execution, so every rank must run the same units in the
+    same order), ``sync_gradients()``, ``full_state_dict()``,
+    ``state_dict()`` and ``into_inner()`` are collectives: every rank calls
+    them in the same order. ``load_full_state_dict()``, ``update_shards()``,
+    ``sharded_state_dict()`` and ``load_sharded_state_dict()`` are local.
+
+    Failure: a failed collective raises the backend's error, from the
+    forward, from ``backward()`` (a gather waited for in a hook) or from
+    ``sync_gradients()``. Gradients are reduced into fresh buffers and the
+    shards' ``.grad`` are assigned only after every reduce-scatter since the
+    last sync succeeded, so after a failure anywhere in the step every
+    ``.grad`` is exactly as it was. The backend is then broken (see
+    :class:`Backend`).
     """
 
-    def __init__(self, module: nn.Module, backend: Backend) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        backend: Backend,
+        units: Units | None = None,
+        reshard_after_forward: bool = True,
+    ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
-        check_same_model(module, backend, "FSDP")
+        if not isinstance(reshard_after_forward, bool):
+            raise ConfigError(
+                f"reshard_after_forward must be True or False, got {reshard_after_forward!r}"
+            )
+        named = list(module.named_parameters())
+        for name, p in named:
+            if p.dtype not in SUPPORTED_DTYPES:
+                raise ConfigError(f"FSDP: parameter {name} has unsupported dtype {p.dtype}")
+        plans = None if units is None else plan_units(module, unit_matcher(units), named)
+        layout = None
+        if plans is not None:
+            layout = [f"unit {p.name or '<root>'}: {', '.join(p.names)}" for p in plans]
+            layout.append(f"reshard_after_forward={reshard_after_forward}")
+        check_same_model(module, backend, "FSDP", extra=layout)
         self.module = module
         self._backend = backend
         self._world = backend.world_size
         self._rank = backend.rank
-        self._entries: list[_Sharded] = []
+        self._entries: list[ShardedParam] = []
         self._gathered = False
         self._released = False
-        for name, p in module.named_parameters():
-            if p.dtype not in SUPPORTED_DTYPES:
-                raise ConfigError(f"FSDP: parameter {name} has unsupported dtype {p.dtype}")
+        for name, p in named:
             numel = p.numel()
             shard_numel = -(-numel // self._world)
             flat = p.detach().reshape(-1)
@@ -76,8 +130,12 @@ class FSDP(nn.Module):
             data = torch.zeros(shard_numel, dtype=p.dtype, device=p.device)
             data[: hi - lo] = flat[lo:hi]
             shard = nn.Parameter(data, requires_grad=p.requires_grad)
-            self._entries.append(_Sharded(name, p, shard, p.shape, numel, shard_numel))
+            self._entries.append(ShardedParam(name, p, shard, p.shape, numel, shard_numel))
             _free(p)
+        self._units: UnitRuntime | None = None
+        if plans is not None:
+            by_name = {e.name: e for e in self._entries}
+            self._units = UnitRuntime(plans, by_name, backend, reshard_after_forward)
 
     @property
     def backend(self) -> Backend:
@@ -143,16 +201,41 @@ class FSDP(nn.Module):
         self._gathered = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """All-gather the full parameters, then run the module's forward."""
-        self._install()
-        return self.module(*args, **kwargs)
+        """Run the module's forward with its parameters gathered: all of them
+        first (``units=None``), or unit by unit (see the class docstring)."""
+        if self._units is None:
+            self._install()
+            return self.module(*args, **kwargs)
+        self._check_usable()
+        self._units.begin_forward()
+        output = self.module(*args, **kwargs)
+        self._units.end_forward(output)
+        return output
+
+    def unit_layout(self) -> list[tuple[str, list[str]]]:
+        """The units, root first (named ``"<root>"``), each with the names of
+        the parameters it owns; ``units=None`` is the root owning them all."""
+        if self._units is None:
+            return [("<root>", [e.name for e in self._entries])]
+        return self._units.layout()
 
     # ---------------------------------------------------------------- sync
 
     def sync_gradients(self) -> None:
-        """Mean-reduce-scatter every full gradient into its shard's ``.grad``,
-        then free the full parameters and gradients. A collective."""
+        """Set every shard's ``.grad`` to the mean over ranks of its gradient.
+        A collective: every rank calls it after backward, before the
+        optimizer step.
+
+        ``units=None``: mean-reduce-scatters every full gradient, then frees
+        the full parameters and gradients. With units: waits for the
+        reduce-scatters that backward started (reducing zeros if there was
+        no backward since the last sync). Either way ``.grad`` is assigned
+        only once every reduce-scatter succeeded; on failure this raises and
+        leaves every ``.grad`` as it was."""
         self._check_usable()
+        if self._units is not None:
+            self._units.sync()
+            return
         works: list[Work[torch.Tensor]] = []
         grads: list[torch.Tensor] = []
         for e in self._entries:
@@ -221,6 +304,86 @@ class FSDP(nn.Module):
                     if key in own:
                         own[key].copy_(value)
 
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's part of a checkpoint, under the inner module's keys:
+        each parameter's padded shard (detached, sharing storage with the
+        shard), the buffers, and under ``"_ferrogrpc_fsdp_shard"`` the
+        metadata ``load_sharded_state_dict`` checks (format, rank, world
+        size, each parameter's shape and shard size). Every rank saves its
+        own, e.g. ``torch.save(sd, f"ckpt.{rank}.pt")``. Local: no
+        communication, and nothing full-size is built."""
+        self._check_usable()
+        by_id = {id(e.param): e for e in self._entries}
+        out: dict[str, Any] = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            entry = by_id.get(id(value))
+            if entry is None:
+                out[key] = value.detach() if isinstance(value, torch.Tensor) else value
+            elif key == entry.name:  # a tied alias is saved once, under its first name
+                out[key] = entry.shard.detach()
+        out[SHARDED_META_KEY] = {
+            "format": SHARDED_FORMAT,
+            "rank": self._rank,
+            "world_size": self._world,
+            "params": {
+                e.name: {"shape": list(e.shape), "shard_numel": e.shard_numel}
+                for e in self._entries
+            },
+        }
+        return out
+
+    def load_sharded_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load what ``sharded_state_dict()`` saved on this rank, at the same
+        world size: the shards and the buffers. Checks everything first and
+        raises ConfigError (changing nothing) if the checkpoint was saved by
+        another rank or at another world size (load a ``full_state_dict()``
+        to change the world size), or if a parameter is missing or has
+        another shape. Local."""
+        self._check_usable()
+        meta = state_dict.get(SHARDED_META_KEY)
+
+        def refuse(message: str) -> ConfigError:
+            return ConfigError(
+                f"load_sharded_state_dict: {message}", rank=self._rank, world_size=self._world
+            )
+
+        if not isinstance(meta, Mapping) or meta.get("format") != SHARDED_FORMAT:
+            raise refuse(
+                f"no {SHARDED_META_KEY!r} metadata of format {SHARDED_FORMAT}: not a sharded "
+                "state dict (use load_full_state_dict for a full one)"
+            )
+        if meta.get("world_size") != self._world:
+            raise refuse(
+                f"the checkpoint was saved at world size {meta.get('world_size')}, this group has "
+                f"world size {self._world}; shards reload only at the world size that saved "
+                "them (save a full_state_dict() to change the world size)"
+            )
+        if meta.get("rank") != self._rank:
+            raise refuse(
+                f"the checkpoint holds rank {meta.get('rank')}'s shards; rank {self._rank} must "
+                "load the one it saved"
+            )
+        saved = meta.get("params", {})
+        for e in self._entries:
+            info = saved.get(e.name)
+            shard = state_dict.get(e.name)
+            if info is None or not isinstance(shard, torch.Tensor):
+                raise refuse(f"missing parameter {e.name}")
+            if list(info["shape"]) != list(e.shape) or tuple(shard.shape) != (e.shard_numel,):
+                raise refuse(
+                    f"{e.name} was saved with shape {tuple(info['shape'])} (shard of "
+                    f"{tuple(shard.shape)}), this model has {tuple(e.shape)} (shard of "
+                    f"{e.shard_numel})"
+                )
+        names = {e.name for e in self._entries}
+        own = dict(self.module.named_buffers())
+        with torch.no_grad():
+            for e in self._entries:
+                e.shard.copy_(state_dict[e.name])
+            for key, value in state_dict.items():
+                if key not in names and key in own and isinstance(value, torch.Tensor):
+                    own[key].copy_(value)
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """Same as :meth:`full_state_dict` (a collective)."""
         return self.full_state_dict()
@@ -234,6 +397,8 @@ class FSDP(nn.Module):
     def into_inner(self) -> nn.Module:
         """Gather the full parameters back into the module (a collective) and
         return it; the wrapper is unusable afterwards."""
+        if self._units is not None:
+            self._units.close()
         fulls = self._gather()
         with torch.no_grad():
             for e, full in zip(self._entries, fulls, strict=True):

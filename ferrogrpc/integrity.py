@@ -1,7 +1,7 @@
 """Chunk integrity: a 32-bit CRC of every payload.
 
-On by default. ``FERROGRPC_CHECKSUM`` (or ``init_backend(checksum=...)``)
-picks it: ``crc32`` (the default; ``1``/``on`` mean the same), ``crc32c``, or
+On by default. ``FERROGRPC_CHECKSUM`` (or ``init_backend(checksum=...)``;
+read in settings.py) picks it: ``crc32`` (the default; ``1``/``on`` mean the same), ``crc32c``, or
 ``0``/``off``.
 
 - CRC-32 is the IEEE 802.3 / zlib polynomial. It is computed with ISA-L (the
@@ -20,13 +20,11 @@ ProtocolError naming the sender, and is never applied to a tensor.
 
 from __future__ import annotations
 
-import os
 import zlib
 from collections.abc import Callable
 from typing import Any
 
 from .errors import ConfigError
-from .options import CHECKSUM_ENV
 from .v1 import collective_pb2 as pb
 
 Checksum = Callable[[memoryview], int]
@@ -97,15 +95,3 @@ def checksum_by_name(name: str, source: str) -> Checksum | None:
             raise ConfigError(f"{source}={name!r} needs the crc32c package: pip install crc32c")
         return crc32c
     raise ConfigError(f"{source}={name!r}: use crc32 (the default), crc32c, or 0 to turn it off")
-
-
-def resolve_checksum(choice: bool | str | None) -> Checksum | None:
-    """``init_backend``'s ``checksum`` argument: True/False, a name, or None
-    for ``FERROGRPC_CHECKSUM`` (default on, CRC-32)."""
-    if choice is True:
-        return default_checksum()
-    if choice is False:
-        return None
-    if isinstance(choice, str):
-        return checksum_by_name(choice, "checksum")
-    return checksum_by_name(os.environ.get(CHECKSUM_ENV, "crc32") or "crc32", CHECKSUM_ENV)

@@ -13,19 +13,26 @@ from .v1 import collective_pb2 as pb
 class ReduceOp(enum.Enum):
     """How all_reduce and reduce_scatter combine the ranks' values.
 
-    The lowercase strings ``"sum"``, ``"mean"``, ``"max"`` and ``"min"`` are
-    accepted wherever an op is taken. ``MEAN`` is defined for floating dtypes
-    only: the sum is divided by ``world_size`` once, on the rank that finishes
-    the segment, so every rank ends with bitwise identical values.
+    The lowercase strings (``"sum"``, ``"mean"``, ``"max"``, ``"min"``,
+    ``"product"``, ``"band"``, ``"bor"``, ``"bxor"``) and
+    ``torch.distributed.ReduceOp`` (``AVG`` is ``MEAN``) are accepted
+    wherever an op is taken. ``MEAN`` is defined for floating dtypes only:
+    the sum is divided by ``world_size`` once, on the rank that finishes the
+    segment, so every rank ends with bitwise identical values. The bitwise
+    ops are defined for integer dtypes only.
     """
 
     SUM = "sum"
     MEAN = "mean"
     MAX = "max"
     MIN = "min"
+    PRODUCT = "product"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
 
     @classmethod
-    def coerce(cls, op: ReduceOp | str) -> ReduceOp:
+    def coerce(cls, op: object) -> ReduceOp:
         if isinstance(op, ReduceOp):
             return op
         if isinstance(op, str):
@@ -33,11 +40,26 @@ class ReduceOp(enum.Enum):
                 return cls(op.lower())
             except ValueError:
                 pass
+        # torch.distributed.ReduceOp (and its RedOpType members), by name.
+        inner = getattr(op, "op", None)
+        if inner is not None and type(op).__module__.startswith("torch"):
+            op = inner  # a ReduceOp object: its RedOpType
+        name = getattr(op, "name", None) or str(op).rsplit(".", 1)[-1]
+        if type(op).__module__.startswith("torch") and isinstance(name, str):
+            name = "mean" if name.upper() == "AVG" else name.lower()
+            try:
+                return cls(name)
+            except ValueError:
+                pass
         raise ConfigError(
             f"unknown reduce op {op!r}; expected one of "
             + ", ".join(repr(o.value) for o in cls)
-            + " or a ReduceOp"
+            + ", a ReduceOp or a torch.distributed.ReduceOp (not PREMUL_SUM)"
         )
+
+    @property
+    def bitwise(self) -> bool:
+        return self in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
@@ -47,6 +69,10 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.bfloat16,
     torch.int32,
     torch.int64,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.bool,
 )
 
 DTYPE_TO_WIRE: dict[torch.dtype, int] = {
@@ -56,6 +82,10 @@ DTYPE_TO_WIRE: dict[torch.dtype, int] = {
     torch.bfloat16: pb.BFLOAT16,
     torch.int32: pb.INT32,
     torch.int64: pb.INT64,
+    torch.uint8: pb.UINT8,
+    torch.int8: pb.INT8,
+    torch.int16: pb.INT16,
+    torch.bool: pb.BOOL,
 }
 WIRE_TO_DTYPE: dict[int, torch.dtype] = {v: k for k, v in DTYPE_TO_WIRE.items()}
 
@@ -64,6 +94,10 @@ OP_TO_WIRE: dict[ReduceOp, int] = {
     ReduceOp.MEAN: pb.MEAN,
     ReduceOp.MAX: pb.MAX,
     ReduceOp.MIN: pb.MIN,
+    ReduceOp.PRODUCT: pb.PRODUCT,
+    ReduceOp.BAND: pb.BAND,
+    ReduceOp.BOR: pb.BOR,
+    ReduceOp.BXOR: pb.BXOR,
 }
 WIRE_TO_OP: dict[int, ReduceOp] = {v: k for k, v in OP_TO_WIRE.items()}
 

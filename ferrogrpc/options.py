@@ -1,60 +1,11 @@
-"""Options (frozen dataclasses, validated on construction) and the names of
-every environment variable ferrogrpc reads."""
+"""Options: frozen dataclasses, validated on construction. The environment
+is read in ``settings.py``, never here."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-from typing import Final
 
 from .errors import ConfigError
-
-# torch's env:// variables, read when init_backend's arguments are left None.
-RANK_ENV: Final = "RANK"
-WORLD_SIZE_ENV: Final = "WORLD_SIZE"
-MASTER_ADDR_ENV: Final = "MASTER_ADDR"
-MASTER_PORT_ENV: Final = "MASTER_PORT"
-# Set by torchrun's agent, which then already serves the TCPStore.
-AGENT_STORE_ENV: Final = "TORCHELASTIC_USE_AGENT_STORE"
-RESTART_COUNT_ENV: Final = "TORCHELASTIC_RESTART_COUNT"
-
-# ferrogrpc's own variables.
-COORDINATOR_ENV: Final = "FERROGRPC_COORDINATOR"
-BIND_HOST_ENV: Final = "FERROGRPC_BIND_HOST"
-ADVERTISE_HOST_ENV: Final = "FERROGRPC_ADVERTISE_HOST"
-PORT_ENV: Final = "FERROGRPC_PORT"
-TIMEOUT_ENV: Final = "FERROGRPC_TIMEOUT"
-IDLE_TIMEOUT_ENV: Final = "FERROGRPC_IDLE_TIMEOUT"
-CONNECT_TIMEOUT_ENV: Final = "FERROGRPC_CONNECT_TIMEOUT"
-CHUNK_BYTES_ENV: Final = "FERROGRPC_CHUNK_BYTES"
-LANES_ENV: Final = "FERROGRPC_LANES"
-TOKEN_ENV: Final = "FERROGRPC_TOKEN"
-CHECKSUM_ENV: Final = "FERROGRPC_CHECKSUM"
-TLS_CERT_ENV: Final = "FERROGRPC_TLS_CERT"
-TLS_KEY_ENV: Final = "FERROGRPC_TLS_KEY"
-TLS_CA_ENV: Final = "FERROGRPC_TLS_CA"
-TLS_SERVER_NAME_ENV: Final = "FERROGRPC_TLS_SERVER_NAME"
-REDUCE_THREADS_ENV: Final = "FERROGRPC_REDUCE_THREADS"
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,15 +34,6 @@ class Timeouts:
             value = getattr(self, field.name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"Timeouts.{field.name} must be a positive number, got {value!r}")
-
-    @classmethod
-    def from_env(cls) -> Timeouts:
-        default = cls()
-        return cls(
-            collective=_env_float(TIMEOUT_ENV, default.collective),
-            idle=_env_float(IDLE_TIMEOUT_ENV, default.idle),
-            connect=_env_float(CONNECT_TIMEOUT_ENV, default.connect),
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,15 +81,6 @@ class ChunkPolicy:
         lanes = self.max_lanes if self.max_lanes is not None else 1
         return chunk, lanes
 
-    @classmethod
-    def from_env(cls) -> ChunkPolicy:
-        chunk = os.environ.get(CHUNK_BYTES_ENV)
-        lanes = os.environ.get(LANES_ENV)
-        return cls(
-            chunk_bytes=_env_int(CHUNK_BYTES_ENV, 0) if chunk else None,
-            max_lanes=_env_int(LANES_ENV, 0) if lanes else None,
-        )
-
 
 @dataclasses.dataclass(frozen=True)
 class TLSConfig:
@@ -180,15 +113,3 @@ class TLSConfig:
                 return cls(c.read(), k.read(), a.read(), server_name)
         except OSError as exc:
             raise ConfigError(f"cannot read TLS files: {exc}") from exc
-
-    @classmethod
-    def from_env(cls) -> TLSConfig | None:
-        paths = [os.environ.get(n) for n in (TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV)]
-        if not any(paths):
-            return None
-        if not all(paths):
-            raise ConfigError(
-                f"mutual TLS needs all of {TLS_CERT_ENV}, {TLS_KEY_ENV} and {TLS_CA_ENV}"
-            )
-        cert, key, ca = (str(p) for p in paths)
-        return cls.from_files(cert, key, ca, os.environ.get(TLS_SERVER_NAME_ENV) or None)

@@ -13,11 +13,18 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal
 
+from .backend import Backend
+from .bootstrap import message_limit
+from .errors import FerroGrpcError
+from .grpc_transport import GrpcTransport
+from .integrity import Checksum
+from .jobs import Stats
 from .ops import kind_name
-from .options import Timeouts, TLSConfig
+from .options import ChunkPolicy, Timeouts, TLSConfig
 from .peer import Peer
 from .rendezvous import LocalRendezvous
-from .transport import GrpcTransport, MemoryTransport, Transport
+from .settings import resolve_checksum
+from .transport import MemoryTransport, Transport
 from .v1 import collective_pb2 as pb
 from .wire import decode, encode
 
@@ -26,24 +33,32 @@ from .wire import decode, encode
 async def local_group(
     world_size: int,
     *,
-    transport: Literal["grpc", "memory"] = "grpc",
+    transport: Literal["grpc", "shm", "memory"] = "grpc",
     start_timeout: float = 30.0,
     tls: TLSConfig | None = None,
     token: str | None = None,
     faults: Sequence[Fault] = (),
+    hosts: Sequence[str] | None = None,
     **options: Any,
 ) -> AsyncIterator[list[Peer]]:
     """Start ``world_size`` peers in this loop on ephemeral loopback ports and
     yield them in rank order; close them all on exit.
 
-    ``transport="memory"`` uses in-process queues instead of gRPC. ``tls``
+    ``transport="grpc"`` moves every byte over gRPC (the same-host plane
+    off), ``"shm"`` exchanges tensor bytes through shared memory with gRPC
+    for control (the default of a real job on one host), and ``"memory"``
+    uses in-process queues instead of gRPC. ``tls``
     and ``token`` secure the gRPC transport; ``faults`` inject failures (see
-    :class:`Fault`). Other keyword arguments go to :meth:`Peer.start`
-    (``timeouts``, ``chunk_policy``, ``checksum``).
+    :class:`Fault`). With ``transport="shm"``, ``hosts`` (a key per rank)
+    makes the ranks with equal keys one host and the others separate hosts,
+    so that the two-level collectives run in one process. Other keyword
+    arguments go to :meth:`Peer.start` (``timeouts``, ``chunk_policy``,
+    ``checksum``, ``placement``).
     """
-    rendezvous = LocalRendezvous(world_size)
+    rendezvous = LocalRendezvous(world_size, hosts)
     registry: dict[str, MemoryTransport] = {}
     options.setdefault("timeouts", Timeouts(collective=60.0, idle=20.0, connect=20.0))
+    options["shm"] = transport == "shm"
 
     def make(rank: int) -> Transport:
         hooks = [f for f in faults if f.rank == rank]
@@ -53,12 +68,22 @@ async def local_group(
             memory = MemoryTransport(registry, window=policy.window if policy else 4)
             memory.send_hook = hook
             return memory
-        return GrpcTransport("127.0.0.1:0", tls=tls, token=token, send_hook=hook)
+        limit = message_limit(options.get("chunk_policy") or ChunkPolicy())
+        return GrpcTransport(
+            "127.0.0.1:0", max_message_bytes=limit, tls=tls, token=token, send_hook=hook
+        )
 
     async with asyncio.timeout(start_timeout):
         peers = await asyncio.gather(
             *(
-                Peer.start(rank, world_size, rendezvous=rendezvous, transport=make(rank), **options)
+                Peer.start(
+                    rank,
+                    world_size,
+                    rendezvous=rendezvous,
+                    transport=make(rank),
+                    token=token,
+                    **options,
+                )
                 for rank in range(world_size)
             )
         )
@@ -66,6 +91,47 @@ async def local_group(
         yield list(peers)
     finally:
         await asyncio.gather(*(peer.close() for peer in peers), return_exceptions=True)
+
+
+def _peer(of: Peer | Backend) -> Peer:
+    return of.peer if isinstance(of, Backend) else of
+
+
+def stats(of: Peer | Backend) -> Stats:
+    """The bytes a rank's peer has sent and received, and its collectives run."""
+    return _peer(of)._ctx.stats
+
+
+def broken(of: Peer | Backend) -> FerroGrpcError | None:
+    """The failure that broke a rank, or None."""
+    return _peer(of)._failure.broken
+
+
+def set_checksum(of: Peer | Backend, checksum: Checksum | bool | str | None) -> None:
+    """Switch a rank's chunk checksum between collectives (benchmarks A/B it
+    in one run). Every rank must switch at the same point in its sequence of
+    collectives: the choice travels in the descriptor."""
+    _peer(of)._ctx.checksum = resolve_checksum(checksum, None)
+
+
+def last_seq(of: Peer | Backend) -> int:
+    """The sequence number of the last collective a rank was called for."""
+    return _peer(of)._jobs.last_seq
+
+
+def running(of: Peer | Backend, seq: int) -> bool:
+    """Whether collective ``seq`` has started on a rank and not finished."""
+    return _peer(of)._jobs.running(seq)
+
+
+def refusal(of: Peer | Backend, seq: int) -> FerroGrpcError | None:
+    """Why collective ``seq`` was refused, if a rank knows some rank refused it."""
+    return _peer(of)._jobs.refused(seq)
+
+
+def checksum(of: Peer | Backend) -> Checksum | None:
+    """The chunk checksum a rank uses (None: off)."""
+    return _peer(of)._ctx.checksum
 
 
 class FaultKind(enum.Enum):
@@ -77,8 +143,9 @@ class FaultKind(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """Inject ``kind`` into the ``nth`` data chunk (counting from 0) that
-    ``rank`` sends, through the transport's send hook:
+    """Inject ``kind`` into the ``nth`` data message (counting from 0) that
+    ``rank`` sends over its transport (a ring's chunk, or a small
+    collective's message on a link), through the transport's send hook:
     ``local_group(3, faults=[Fault(rank=1, kind=FaultKind.CORRUPT_PAYLOAD)])``.
     """
 
@@ -94,8 +161,8 @@ class Fault:
 
         def apply(dst: int, message: bytes) -> bytes:
             header, payload = decode(message)
-            if header.HasField("descriptor") or payload.nbytes == 0:
-                return message
+            if payload.nbytes == 0:
+                return message  # a stream's opening, a link's hello, an abort
             if self.collective is not None and kind_name(header.kind) != self.collective:
                 return message
             index = seen[0]
@@ -112,6 +179,20 @@ class Fault:
             return encode(forged, payload)
 
         return apply
+
+
+def inject(of: Peer | Backend, fault: Fault) -> None:
+    """Inject ``fault`` into the chunks a running rank sends from now on (its
+    data chunks are counted from here): for ranks that ``init_backend``
+    started; ``local_group`` takes ``faults=`` instead. ``fault.rank`` must
+    be the rank's own."""
+    peer = _peer(of)
+    if fault.rank != peer.rank:
+        raise ValueError(f"the fault is for rank {fault.rank}, this is rank {peer.rank}")
+    transport = peer._ctx.transport
+    if not isinstance(transport, GrpcTransport | MemoryTransport):
+        raise TypeError(f"cannot inject faults into a {type(transport).__name__}")
+    transport.send_hook = fault.hook()
 
 
 def rss() -> int:

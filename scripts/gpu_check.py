@@ -8,8 +8,9 @@ and grpcio-health-checking are optional). Two processes at world size 2:
 
 1. every collective on CUDA tensors (several dtypes and sizes, a non-default
    user stream, a non-contiguous tensor) against a float64 reference;
-2. DDP and FSDP training of a CUDA model on slices of a batch against
-   single-process training on the whole batch;
+2. DDP and FSDP (one unit, and ``units={nn.Linear}``) training of a CUDA
+   model on slices of a batch against single-process training on the whole
+   batch;
 3. all_reduce bus bandwidth, ferrogrpc against gloo with CUDA tensors, at 1,
    16 and 256 MiB;
 4. DDP step time of a 25M-parameter MLP with overlap on and off, and
@@ -156,9 +157,15 @@ def check_training(backend: Any, device: Any, log: list[str], steps: int) -> int
         nn.functional.mse_loss(ref(x), y).backward()
         opt.step()
     per = 12 // world
-    for name in ("ddp", "fsdp"):
+    for name in ("ddp", "fsdp", "fsdp-units"):
         inner = model()
-        wrapper: Any = fg.DDP(inner, backend) if name == "ddp" else fg.FSDP(inner, backend)
+        wrapper: Any
+        if name == "ddp":
+            wrapper = fg.DDP(inner, backend)
+        elif name == "fsdp":
+            wrapper = fg.FSDP(inner, backend)
+        else:  # per-layer gathers and reduce-scatters from autograd hooks
+            wrapper = fg.FSDP(inner, backend, units={nn.Linear})
         opt = torch.optim.Adam(wrapper.parameters(), lr=0.01)
         for step in range(steps):
             x, y = batch(step)
@@ -168,7 +175,8 @@ def check_training(backend: Any, device: Any, log: list[str], steps: int) -> int
             ).backward()
             wrapper.sync_gradients()
             opt.step()
-        state = wrapper.full_state_dict() if name == "fsdp" else wrapper.state_dict()
+        fsdp = name.startswith("fsdp")
+        state = wrapper.full_state_dict() if fsdp else wrapper.state_dict()
         diff = max(
             float((state[k].double() - v.double()).abs().max()) for k, v in ref.state_dict().items()
         )

@@ -1,5 +1,7 @@
 """Exit 0 if the coordinator at HOST:PORT answers grpc.health.v1 SERVING
-(for container healthchecks): ``python -m server.health 127.0.0.1:29400``."""
+(for container healthchecks): ``python -m server.health 127.0.0.1:29400``.
+It presents ``FERROGRPC_TOKEN`` and ``FERROGRPC_TLS_*`` as the coordinator
+expects them."""
 
 from __future__ import annotations
 
@@ -8,17 +10,29 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ferrogrpc.errors import ConfigError
+from ferrogrpc.grpc_auth import sync_channel, token_metadata
+from ferrogrpc.settings import Settings
+
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     target = args[0] if args else "127.0.0.1:29400"
-    with grpc.insecure_channel(target) as channel:
+    try:
+        settings = Settings.from_env()
+    except ConfigError as exc:
+        print(f"{target}: {exc}", file=sys.stderr)
+        return 1
+    with sync_channel(target, settings.tls) as channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=3
+                health_pb2.HealthCheckRequest(service=""),
+                timeout=3,
+                metadata=token_metadata(settings.token),
             )
         except grpc.RpcError as exc:
-            print(f"{target}: {exc.code().name}", file=sys.stderr)  # type: ignore[attr-defined]
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            print(f"{target}: {code.name if code else exc}", file=sys.stderr)
             return 1
     serving = response.status == health_pb2.HealthCheckResponse.SERVING
     print(f"{target}: {health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)}")

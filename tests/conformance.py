@@ -14,9 +14,18 @@ SHAPES: list[tuple[int, ...]] = [(), (0,), (1,), (7,), (3, 5), (19,), (2, 0, 3),
 
 
 def make_input(rank: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Small integers, so that sums are exact in every dtype, bf16 included."""
+    """Small integers, so that sums are exact in every dtype, bf16 included
+    (non-negative for uint8; 0 or 1 for bool)."""
     gen = torch.Generator().manual_seed(seed * 1009 + rank)
-    return torch.randint(-8, 9, shape, generator=gen).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).to(dtype)
+    low = 0 if dtype == torch.uint8 else -8
+    return torch.randint(low, 9, shape, generator=gen).to(dtype)
+
+
+# Narrow dtypes: a product of a few small values could overflow them, so
+# they are checked with sum, max, min and bxor (bool with max and min).
+NARROW = (torch.uint8, torch.int8, torch.int16, torch.bool)
 
 
 async def check_all_reduce(
@@ -36,6 +45,14 @@ async def check_all_reduce(
         ref = reference_sum(inputs) / n
     elif op == "max":
         ref = stacked.max(0).values
+    elif op == "product":
+        ref = stacked.prod(0)
+    elif op == "bxor":
+        ints = torch.stack(inputs)
+        ref = ints[0].clone()
+        for x in ints[1:]:
+            ref ^= x
+        ref = ref.to(torch.float64)
     else:
         ref = stacked.min(0).values
     for r, (res, t) in enumerate(zip(results, tensors, strict=True)):
@@ -120,15 +137,24 @@ async def run_conformance(
     n = len(peers)
     seed = 0
     for dtype in dtypes:
-        ops = ["sum", "max", "min"] + (["mean"] if dtype.is_floating_point else [])
+        if dtype == torch.bool:
+            ops = ["max", "min"]
+        elif dtype in NARROW:
+            ops = ["max", "min", "bxor", "sum"]
+        else:
+            ops = ["sum", "max", "min", "product"] + (
+                ["mean"] if dtype.is_floating_point else ["bxor"]
+            )
         for shape in shapes:
             seed += 1
             for op in ops:
                 await check_all_reduce(peers, shape, dtype, op, seed)
             await check_all_gather(peers, shape, dtype, seed)
-            await check_reduce_scatter(
-                peers, shape, dtype, "mean" if dtype.is_floating_point else "sum", seed
-            )
+            if dtype != torch.bool:
+                await check_reduce_scatter(
+                    peers, shape, dtype, "mean" if dtype.is_floating_point else "sum", seed
+                )
             await check_broadcast(peers, shape, dtype, seed % n, seed)
-        await check_reduce_scatter_tensor(peers, 5, dtype, seed)
+        if dtype != torch.bool:
+            await check_reduce_scatter_tensor(peers, 5, dtype, seed)
     await asyncio.gather(*(p.barrier() for p in peers))

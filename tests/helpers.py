@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
+import ferrogrpc as fg
 from ferrogrpc import launch
+
+T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parent.parent
 RANKS = Path(__file__).resolve().parent / "ranks"
@@ -126,3 +134,192 @@ def run_torchrun(
         text=True,
         timeout=timeout,
     )
+
+
+def backends(world: int, **options: Any) -> list[fg.Backend]:
+    """``world`` ranks in this process, each joined by ``fg.init_backend`` on
+    its own thread (as separate processes would), on a fresh loopback port."""
+    port = free_port()
+    with ThreadPoolExecutor(world) as pool:
+        return list(
+            pool.map(
+                lambda r: fg.init_backend(r, world, "127.0.0.1", port, **options), range(world)
+            )
+        )
+
+
+def on_ranks(fn: Callable[[int], T], world: int) -> list[T]:
+    """``fn(rank)`` for every rank at once, each on its own thread; the
+    first exception is raised once all have finished."""
+    with ThreadPoolExecutor(world) as pool:
+        return list(pool.map(fn, range(world)))
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``predicate`` until it holds; AssertionError naming ``what`` if
+    it does not within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:g}s")
+        time.sleep(0.005)
+
+
+async def async_wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """:func:`wait_until` for a coroutine: polls without blocking the loop."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:g}s")
+        await asyncio.sleep(0.005)
+
+
+def os_threads() -> int:
+    """This process's threads as the kernel counts them (native ones too:
+    gRPC's, the TCPStore's, OpenMP's), not only Python's."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def open_fds() -> int:
+    """This process's open file descriptors (sockets, memfds, pipes...)."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+# Network namespaces (root only): addresses in 198.18.0.0/24, the range
+# reserved for network tests, which live only inside the namespaces.
+SUBNET = "198.18.0"
+
+
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+@contextlib.contextmanager
+def namespaces(names: list[str]) -> Iterator[dict[str, str]]:
+    """One namespace per name, each with an address on a shared bridge
+    (``SUBNET``.10, .11, ... in order); yields name -> namespace, plus
+    ``"__hub__"``, the bridge's. Removes everything on exit."""
+    tag = f"fg{os.getpid() % 100000}"
+    hub = f"{tag}-hub"
+    created: list[str] = []
+    addresses = {name: f"{SUBNET}.{10 + i}" for i, name in enumerate(names)}
+    try:
+        ip("netns", "add", hub)
+        created.append(hub)
+        ip("-n", hub, "link", "add", "br0", "type", "bridge")
+        ip("-n", hub, "link", "set", "br0", "up")
+        for i, name in enumerate(names):
+            ns = f"{tag}-{i}"
+            ip("netns", "add", ns)
+            created.append(ns)
+            outer, inner = f"{tag}h{i}", f"{tag}n{i}"
+            ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+            ip("link", "set", outer, "netns", hub)
+            ip("link", "set", inner, "netns", ns)
+            ip("-n", hub, "link", "set", outer, "master", "br0", "up")
+            ip("-n", ns, "addr", "add", f"{addresses[name]}/24", "dev", inner)
+            ip("-n", ns, "link", "set", inner, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+            etc = Path("/etc/netns") / ns
+            etc.mkdir(parents=True, exist_ok=True)
+            hosts = ["127.0.0.1 localhost"] + [f"{addr} {host}" for host, addr in addresses.items()]
+            (etc / "hosts").write_text("\n".join(hosts) + "\n")
+        yield {name: f"{tag}-{i}" for i, name in enumerate(names)} | {"__hub__": hub}
+    finally:
+        for ns in reversed(created):
+            for pid in ip("netns", "pids", ns, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), 9)
+            ip("netns", "del", ns, check=False)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+
+
+class ServedJob:
+    """``tests/ranks/serve.py`` as ``world`` real rank processes, driven
+    from the test: ``job.command("all_reduce")`` runs it on every rank and
+    returns each rank's answer. Each rank's ``address`` and ``pid`` are
+    known once the group formed. Use as a context manager (kills what is
+    left on exit)."""
+
+    def __init__(self, world: int, timeout: float = 60.0, **env: str) -> None:
+        self.port = free_port()
+        self.timeout = timeout
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, str(RANKS / "serve.py")],
+                env=rank_env(rank, world, self.port, **env),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank in range(world)
+        ]
+        self.addresses: list[str] = []
+        self.pids: list[int] = []
+        for rank in range(world):
+            words = self._line(rank).split()
+            assert words[:2] == ["READY", str(rank)], words
+            self.addresses.append(words[2])
+            self.pids.append(int(words[3]))
+
+    def _line(self, rank: int) -> str:
+        import select
+
+        proc = self.procs[rank]
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], self.timeout)
+        if not ready:
+            raise AssertionError(f"rank {rank} did not answer within {self.timeout}s")
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"rank {rank} exited ({proc.wait()})")
+        return line.strip()
+
+    def command(self, command: str) -> list[str]:
+        """Send every rank ``command``; returns each rank's answer."""
+        return self.send([command] * len(self.procs))
+
+    def send(self, commands: list[str]) -> list[str]:
+        """Send rank r ``commands[r]``; returns each rank's answer."""
+        for proc, command in zip(self.procs, commands, strict=True):
+            assert proc.stdin is not None
+            proc.stdin.write(command + "\n")
+            proc.stdin.flush()
+        return [self._line(rank) for rank in range(len(self.procs))]
+
+    def __enter__(self) -> ServedJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            if proc.poll() is None and proc.stdin is not None:
+                try:
+                    proc.stdin.write("quit\n")
+                    proc.stdin.close()
+                except OSError:
+                    pass
+        deadline = time.monotonic() + 15
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def memory_of(pid: int) -> tuple[int, int]:
+    """(resident, peak resident) bytes of process ``pid`` (Linux)."""
+    fields: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+def reset_peak(pid: int) -> None:
+    """Reset process ``pid``'s peak RSS (VmHWM) to its current RSS."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")

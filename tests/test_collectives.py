@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ferrogrpc as fg
-from ferrogrpc import collectives
+from ferrogrpc import lane, local
 from tests.conformance import check_all_reduce, run_conformance
 from tests.helpers import reference_sum
 
@@ -19,11 +19,15 @@ ALL_DTYPES = list(fg.SUPPORTED_DTYPES)
 SMALL = fg.ChunkPolicy(chunk_bytes=64, max_lanes=3, lane_min_bytes=256)
 
 
-@pytest.mark.parametrize("transport", ["memory", "grpc"])
+@pytest.mark.parametrize("transport", ["memory", "grpc", "shm"])
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
-async def test_conformance_every_dtype_and_shape(transport: str, world: int) -> None:
+async def test_conformance_every_dtype_and_shape(
+    transport: str, world: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Tiny chunks and lanes, so that even small tensors take many chunks,
-    # several lanes and uneven segments.
+    # several lanes and uneven segments; on the same-host plane, tiny slots,
+    # so that they take many rounds and every slot is reused.
+    monkeypatch.setattr(local, "SLOT_BYTES", 64)
     async with fg.testing.local_group(world, transport=transport, chunk_policy=SMALL) as peers:  # type: ignore[arg-type]
         await run_conformance(peers, ALL_DTYPES)
 
@@ -38,15 +42,16 @@ async def test_conformance_whether_or_not_forwards_are_held(
     # A lane keeps up to HELD_MESSAGES forwarded messages, and HELD_BYTES
     # (one message at least), ready for its sender and writes the rest to
     # the tensor; both paths, and their mix, give the same results.
-    monkeypatch.setattr(collectives, "HELD_MESSAGES", held)
-    monkeypatch.setattr(collectives, "HELD_BYTES", held_bytes)
+    monkeypatch.setattr(lane, "HELD_MESSAGES", held)
+    monkeypatch.setattr(lane, "HELD_BYTES", held_bytes)
     async with fg.testing.local_group(world, chunk_policy=SMALL) as peers:
         await run_conformance(peers, ALL_DTYPES)
 
 
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
 @pytest.mark.parametrize("world", [2, 3])
-async def test_large_float64_all_reduce_default_policy(world: int) -> None:
-    async with fg.testing.local_group(world) as peers:
+async def test_large_float64_all_reduce_default_policy(world: int, transport: str) -> None:
+    async with fg.testing.local_group(world, transport=transport) as peers:  # type: ignore[arg-type]
         gen = torch.Generator().manual_seed(7)
         inputs = [torch.randn(3_000_001, generator=gen, dtype=torch.float64) for _ in range(world)]
         tensors = [t.clone() for t in inputs]
@@ -56,7 +61,8 @@ async def test_large_float64_all_reduce_default_policy(world: int) -> None:
             torch.testing.assert_close(t, ref, atol=1e-12, rtol=1e-12)
 
 
-async def test_sixteen_concurrent_all_reduces_on_four_ranks() -> None:
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+async def test_sixteen_concurrent_all_reduces_on_four_ranks(transport: str) -> None:
     sizes = [
         0,
         1,
@@ -75,7 +81,7 @@ async def test_sixteen_concurrent_all_reduces_on_four_ranks() -> None:
         31_337,
         1 << 20,
     ]
-    async with fg.testing.local_group(4) as peers:
+    async with fg.testing.local_group(4, transport=transport) as peers:  # type: ignore[arg-type]
         inputs = [
             [
                 torch.randn(n, generator=torch.Generator().manual_seed(r * 100 + i))
@@ -92,7 +98,7 @@ async def test_sixteen_concurrent_all_reduces_on_four_ranks() -> None:
                 torch.testing.assert_close(tensors[r][i].double(), ref, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("transport", ["memory", "grpc"])
+@pytest.mark.parametrize("transport", ["memory", "grpc", "shm"])
 async def test_non_contiguous_tensor_is_reduced_in_place(transport: str) -> None:
     async with fg.testing.local_group(2, transport=transport) as peers:  # type: ignore[arg-type]
         bases = [torch.arange(12.0).reshape(3, 4) * (r + 1) for r in range(2)]
@@ -109,4 +115,86 @@ async def test_string_ops_and_mean_on_integers_rejected() -> None:
         with pytest.raises(fg.ConfigError, match="MEAN is not defined"):
             peers[0].all_reduce(torch.ones(2, dtype=torch.int32), fg.ReduceOp.MEAN)
         with pytest.raises(fg.ConfigError, match="unknown reduce op"):
-            peers[0].all_reduce(torch.ones(2), "product")
+            peers[0].all_reduce(torch.ones(2), "median")
+
+
+@pytest.mark.parametrize(
+    "hosts",
+    [
+        ["a", "a", "b", "b"],  # 2 hosts x 2 ranks
+        ["a", "a", "b"],  # 2 + 1
+        ["a", "b", "b", "b"],  # 1 + 3
+        ["a", "b", "a", "b"],  # ranks of a host not adjacent
+        ["b", "a", "a"],
+    ],
+)
+async def test_conformance_two_level_collectives(
+    hosts: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Several hosts, some with several ranks: shared memory inside a host,
+    # gRPC rings across (one process plays every host). Tiny slots and
+    # chunks: many rounds and chunks per collective.
+    monkeypatch.setattr(local, "SLOT_BYTES", 64)
+    async with fg.testing.local_group(
+        len(hosts), transport="shm", hosts=hosts, chunk_policy=SMALL
+    ) as peers:
+        await run_conformance(peers, ALL_DTYPES)
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("numel", [3 * 1000 + 7, 3 * 30_000 + 7])
+@pytest.mark.parametrize("transport", ["grpc", "memory", "shm"])
+async def test_all_gather_and_reduce_scatter_leave_inputs_byte_identical(
+    transport: str, numel: int
+) -> None:
+    # README: "the input of reduce_scatter/all_gather is never modified".
+    # Byte for byte: -0.0 and a NaN with a payload are inputs too. 12 KB
+    # takes the small collectives' one exchange; 360 KB the rings, in
+    # segments of ~30 chunks, so that partial sums outnumber the forwards a
+    # lane may hold and every reduction path runs (on shm, many slot rounds).
+    world = 3
+    policy = fg.ChunkPolicy(chunk_bytes=4096)
+    async with fg.testing.local_group(world, transport=transport, chunk_policy=policy) as peers:  # type: ignore[arg-type]
+        inputs = []
+        for r in range(world):
+            t = torch.randn(numel, generator=torch.Generator().manual_seed(r))
+            t[5] = -0.0
+            t[7 + r] = torch.tensor([0x7FC0_1234 + r], dtype=torch.int32).view(torch.float32)
+            inputs.append(t)
+        originals = [_raw(t) for t in inputs]
+        nan = torch.isnan(torch.stack(inputs)).any(0)
+        ref = reference_sum(inputs)
+
+        def unchanged(what: str) -> None:
+            for r, (t, raw) in enumerate(zip(inputs, originals, strict=True)):
+                assert _raw(t) == raw, f"{what} on {transport} modified rank {r}'s input"
+
+        parts = await asyncio.gather(*(p.all_gather(t) for p, t in zip(peers, inputs, strict=True)))
+        unchanged("all_gather")
+        for got in parts:
+            assert [_raw(g) for g in got] == originals
+        outs = [torch.empty(world * numel) for _ in range(world)]
+        await asyncio.gather(
+            *(p.all_gather_into_tensor(o, t) for p, o, t in zip(peers, outs, inputs, strict=True))
+        )
+        unchanged("all_gather_into_tensor")
+        assert all(_raw(o) == b"".join(originals) for o in outs)
+        for op in ("sum", "mean", "max"):
+            mine = await asyncio.gather(
+                *(p.reduce_scatter(t, op) for p, t in zip(peers, inputs, strict=True))
+            )
+            unchanged(f"reduce_scatter {op}")
+            if op == "sum":
+                got = torch.cat(mine).double()
+                torch.testing.assert_close(got[~nan], ref[~nan], atol=1e-5, rtol=1e-5)
+                assert bool(got[nan].isnan().all())
+        padded = [torch.cat([t, torch.zeros(2)]) for t in inputs]  # divisible by 3
+        padded_raw = [_raw(t) for t in padded]
+        outs = [torch.empty((numel + 2) // world) for _ in range(world)]
+        await asyncio.gather(
+            *(p.reduce_scatter_tensor(o, t) for p, o, t in zip(peers, outs, padded, strict=True))
+        )
+        assert [_raw(t) for t in padded] == padded_raw, "reduce_scatter_tensor modified its input"

@@ -1,16 +1,31 @@
 """The coordinator in-process: rank assignment, frozen round answers with the
-session nonces, freed slots, elastic sizing; and a taken port is a clean error."""
+session nonces, freed slots, elastic sizing; and a taken port is a clean error.
+Issue 17: the token and mutual TLS, one live call per slot, limits on what a
+joiner sends, rate-limited logging that never blocks serving."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+import time
+from collections.abc import Callable
 
+import grpc
+import grpc.aio
 import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import ferrogrpc as fg
-from ferrogrpc.coordinator import Coordinator, CoordinatorRendezvous
-from ferrogrpc.transport import GrpcTransport
+from ferrogrpc.coordinator import Coordinator, CoordinatorRendezvous, Limits, fetch_status
+from ferrogrpc.coordinator_client import SERVICE
+from ferrogrpc.grpc_auth import aio_channel, token_metadata
+from ferrogrpc.grpc_transport import GrpcTransport
+from ferrogrpc.settings import Settings
+from ferrogrpc.v1 import rendezvous_pb2 as rpb
+from tests.helpers import free_port, reference_sum
+from tests.test_security import _certificates
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,6 +52,14 @@ async def test_rounds_answer_ranks_tables_and_nonces() -> None:
         await coordinator.stop(0)
 
 
+async def _wait_joined(target: str, joined: int) -> None:
+    """Poll the coordinator's status until ``joined`` peers are in its round."""
+    deadline = time.monotonic() + 20
+    while (await fetch_status(target)).joined != joined:
+        assert time.monotonic() < deadline, f"the coordinator never had {joined} joined"
+        await asyncio.sleep(0.01)
+
+
 async def test_a_joiner_that_gives_up_frees_its_slot() -> None:
     coordinator = Coordinator(2)
     port = await coordinator.start("127.0.0.1:0")
@@ -45,7 +68,8 @@ async def test_a_joiner_that_gives_up_frees_its_slot() -> None:
         quitter = CoordinatorRendezvous(target, timeout=1)
         with pytest.raises(fg.RendezvousError):
             await quitter.exchange(None, None, "dead:1", "n0")
-        await asyncio.sleep(0.2)
+        # Its slot is freed once the coordinator sees it gone.
+        await _wait_joined(target, 0)
         a, b = CoordinatorRendezvous(target, timeout=10), CoordinatorRendezvous(target, timeout=10)
         ra, _ = await asyncio.gather(
             a.exchange(None, None, "live-a:1", "na"), b.exchange(None, None, "live-b:2", "nb")
@@ -85,9 +109,8 @@ async def test_a_taken_port_is_a_config_error() -> None:
 
 def test_a_group_that_never_forms_is_a_rendezvous_error() -> None:
     import threading
-    import time
 
-    from tests.helpers import free_port
+    from tests.helpers import wait_until
 
     before = threading.active_count()
     start = time.monotonic()
@@ -96,22 +119,434 @@ def test_a_group_that_never_forms_is_a_rendezvous_error() -> None:
             0, 2, "127.0.0.1", free_port(), timeouts=fg.Timeouts(collective=5, idle=5, connect=2)
         )
     assert time.monotonic() - start < 15
-    time.sleep(0.5)
-    assert threading.active_count() <= before + 1  # at most the store's executor thread
+    # Its threads end, the rendezvous's executor thread included.
+    wait_until(lambda: threading.active_count() <= before, 10, "threads to end")
 
 
-async def test_a_late_neighbour_that_answers_pings_is_waited_for() -> None:
+async def test_a_late_neighbour_that_answers_pings_is_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import torch
 
-    timeouts = fg.Timeouts(collective=20, idle=0.3, connect=10)
+    # Rank 2 starts only once it has been pinged twice, each time after a
+    # whole idle timeout without progress, and answered: the idle ping ran
+    # and found a late rank, not a stuck one. (Counted, so that no time
+    # window decides it.)
+    pings = 0
+    ping = GrpcTransport.ping
+
+    async def counted(self: GrpcTransport, dst: int, timeout: float) -> None:
+        nonlocal pings
+        await ping(self, dst, timeout)
+        pings += dst == 2
+
+    monkeypatch.setattr(GrpcTransport, "ping", counted)
+    timeouts = fg.Timeouts(collective=30, idle=1.0, connect=10)
     async with fg.testing.local_group(3, timeouts=timeouts) as peers:
         ts = [torch.ones(1000) * (r + 1) for r in range(3)]
 
         async def late(p: fg.Peer, t: torch.Tensor) -> torch.Tensor:
-            await asyncio.sleep(1.5)  # five idle timeouts of rank-local work
+            deadline = time.monotonic() + 20
+            while pings < 2:  # rank-local work, for two idle timeouts at least
+                assert time.monotonic() < deadline, "nobody pinged the late rank"
+                await asyncio.sleep(0.01)
             return await p.all_reduce(t)
 
         await asyncio.gather(
             peers[0].all_reduce(ts[0]), peers[1].all_reduce(ts[1]), late(peers[2], ts[2])
         )
         assert all(bool(t.eq(6.0).all()) for t in ts)
+
+
+# ------------------------------------------------ issue 17: the coordinator
+
+TOKEN = "coordinator-test-token"
+PEER_ID = "a" * 32
+
+
+def _raw(b: bytes) -> bytes:
+    return b
+
+
+async def _call(
+    target: str,
+    method: str,
+    request: bytes,
+    token: str | None = None,
+    timeout: float = 10,
+    tls: fg.TLSConfig | None = None,
+) -> tuple[grpc.StatusCode, bytes | None]:
+    """One raw call to the coordinator: its status code and answer."""
+    async with aio_channel(target, tls) as channel:
+        stub = channel.unary_unary(
+            f"/{SERVICE}/{method}", request_serializer=_raw, response_deserializer=_raw
+        )
+        try:
+            answer = await stub(request, timeout=timeout, metadata=token_metadata(token))
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), None
+        return grpc.StatusCode.OK, answer
+
+
+def _join(address: str, peer_id: str = PEER_ID, **fields: object) -> bytes:
+    fields.setdefault("nonce", "n")
+    request = rpb.JoinRequest(address=address, requested_rank=-1, peer_id=peer_id, **fields)  # type: ignore[arg-type]
+    return request.SerializeToString()
+
+
+async def _health(target: str, token: str | None) -> grpc.StatusCode:
+    async with aio_channel(target, None) as channel:
+        try:
+            await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5, metadata=token_metadata(token)
+            )
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["token", "token+tls"])
+async def test_the_coordinator_requires_the_token_and_ranks_with_it_train(
+    tls: bool, tmp_path: object
+) -> None:
+    good = _certificates(str(tmp_path))[0] if tls else None
+    coordinator = Coordinator(2, token=TOKEN, tls=good)
+    port = await coordinator.start("127.0.0.1:0")
+    target = f"127.0.0.1:{port}"
+    try:
+        # Without the token (or with a wrong one), every call is refused.
+        for token in (None, "wrong"):
+            for method, request in (
+                ("Join", _join("evil:1")),
+                ("Status", rpb.StatusRequest().SerializeToString()),
+                ("Heartbeat", rpb.HeartbeatRequest(rank=0).SerializeToString()),
+            ):
+                code, _ = await _call(target, method, request, token, tls=good)
+                assert code == grpc.StatusCode.UNAUTHENTICATED, (method, token, code)
+            if not tls:
+                assert await _health(target, token) == grpc.StatusCode.UNAUTHENTICATED
+        assert coordinator.joined == 0
+        with pytest.raises(fg.RendezvousError, match="UNAUTHENTICATED"):
+            await fetch_status(target, tls=good)
+        if tls:  # and without TLS, no connection at all
+            code, _ = await _call(target, "Status", b"", TOKEN)
+            assert code == grpc.StatusCode.UNAVAILABLE, code
+        else:
+            assert await _health(target, TOKEN) == grpc.StatusCode.OK
+        # Ranks with the token: rendezvous, then an all_reduce.
+        settings = Settings(token=TOKEN, tls=good, timeouts=fg.Timeouts(20, 10, 20))
+        peers = await asyncio.gather(
+            *(
+                fg.Peer.start(
+                    None,
+                    None,
+                    rendezvous=CoordinatorRendezvous(target, timeout=20, token=TOKEN, tls=good),
+                    settings=settings,
+                )
+                for _ in range(2)
+            )
+        )
+        try:
+            assert sorted(p.rank for p in peers) == [0, 1]
+            inputs = [torch.randn(300_000, dtype=torch.float64) for _ in peers]
+            ref = reference_sum(inputs)
+            outs = [t.clone() for t in inputs]
+            await asyncio.gather(*(p.all_reduce(t) for p, t in zip(peers, outs, strict=True)))
+            for t in outs:
+                torch.testing.assert_close(t, ref, atol=1e-10, rtol=1e-10)
+            status = await fetch_status(target, token=TOKEN, tls=good)
+            assert status.joined == 2 and status.world_size == 2
+            # The ranks' own servers refuse a client without the token too.
+            for p in peers:
+                code, _ = await _call(p.address, "Status", b"", tls=good)
+                assert code == grpc.StatusCode.UNAUTHENTICATED, code
+        finally:
+            await asyncio.gather(*(p.close() for p in peers))
+    finally:
+        await coordinator.stop(0)
+
+
+async def test_concurrent_joins_with_one_identity_never_share_a_rank() -> None:
+    coordinator = Coordinator(2)
+    port = await coordinator.start("127.0.0.1:0")
+    target = f"127.0.0.1:{port}"
+    try:
+        # Ids are random, long, and never the protobuf default.
+        for peer_id in ("", "short"):
+            code, _ = await _call(target, "Join", _join("x:1", peer_id))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (peer_id, code)
+        # Eight concurrent Joins with one id, then another joiner.
+        same = [asyncio.ensure_future(_call(target, "Join", _join(f"same:{i}"))) for i in range(8)]
+        deadline = time.monotonic() + 10
+        while coordinator.joined < 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        other = await _call(target, "Join", _join("other:1", "b" * 32))
+        results = await asyncio.gather(*same)
+        assert other[0] == grpc.StatusCode.OK
+        granted = [rpb.JoinResponse.FromString(a) for code, a in results if a is not None]
+        refused = [code for code, a in results if a is None]
+        assert len(granted) == 1, results  # the slot's one live call
+        assert set(refused) == {grpc.StatusCode.ABORTED}, refused
+        assert other[1] is not None
+        ranks = [granted[0].rank, rpb.JoinResponse.FromString(other[1]).rank]
+        assert sorted(ranks) == [0, 1], ranks
+    finally:
+        await coordinator.stop(0)
+
+
+async def test_a_retry_that_takes_a_slot_over_keeps_it_when_the_first_call_ends() -> None:
+    # The race of issue 17: A joins; A's retry attaches to A's slot; A's
+    # first call ends (cancelled); a new joiner must not get A's rank.
+    coordinator = Coordinator(2)
+    port = await coordinator.start("127.0.0.1:0")
+    target = f"127.0.0.1:{port}"
+    try:
+        first = asyncio.ensure_future(_call(target, "Join", _join("a:1")))
+        deadline = time.monotonic() + 10
+        while coordinator.joined < 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        retry = asyncio.ensure_future(_call(target, "Join", _join("a:1")))
+        code, _ = await asyncio.wait_for(first, 10)  # ends: taken over
+        assert code == grpc.StatusCode.ABORTED, code
+        assert coordinator.joined == 1  # the slot stayed, with the retry
+        newcomer = await _call(target, "Join", _join("b:1", "b" * 32))
+        a = await asyncio.wait_for(retry, 10)
+        assert a[1] is not None and newcomer[1] is not None, (a, newcomer)
+        ranks = {
+            rpb.JoinResponse.FromString(a[1]).rank,
+            rpb.JoinResponse.FromString(newcomer[1]).rank,
+        }
+        assert ranks == {0, 1}, ranks
+        # The built-in client's retry loop draws its id once per rendezvous.
+        assert CoordinatorRendezvous(target).peer_id != CoordinatorRendezvous(target).peer_id
+    finally:
+        await coordinator.stop(0)
+
+
+async def test_oversized_joins_are_refused_at_once_and_the_round_completes(
+    report: Callable[[str], None],
+) -> None:
+    coordinator = Coordinator(2)
+    port = await coordinator.start("127.0.0.1:0")
+    target = f"127.0.0.1:{port}"
+    try:
+        timings = {}
+        for what, request, expected in (
+            ("64 KiB address", _join("x" * (64 << 10)), grpc.StatusCode.RESOURCE_EXHAUSTED),
+            ("3.9 MiB address", _join("x" * (3900 << 10)), grpc.StatusCode.RESOURCE_EXHAUSTED),
+            ("1 KiB address", _join("x" * 1024), grpc.StatusCode.INVALID_ARGUMENT),
+            ("1 KiB host key", _join("h:1", host="h" * 1024), grpc.StatusCode.INVALID_ARGUMENT),
+            ("1 KiB nonce", _join("h:1", nonce="n" * 1024), grpc.StatusCode.INVALID_ARGUMENT),
+        ):
+            start = time.monotonic()
+            code, _ = await _call(target, "Join", request, timeout=30)
+            timings[what] = time.monotonic() - start
+            assert code == expected, (what, code)
+            assert timings[what] < 5.0, (what, timings[what])
+        assert coordinator.joined == 0
+        # Real ranks still complete the round.
+        a, b = CoordinatorRendezvous(target, timeout=10), CoordinatorRendezvous(target, timeout=10)
+        ra, rb = await asyncio.gather(
+            a.exchange(None, None, "a:1", "na"), b.exchange(None, None, "b:1", "nb")
+        )
+        assert {ra.rank, rb.rank} == {0, 1} and ra.addresses == rb.addresses
+        await asyncio.gather(a.close(), b.close())
+        report(
+            "oversized Joins refused in "
+            + ", ".join(f"{k}: {v * 1000:.0f} ms" for k, v in timings.items())
+        )
+    finally:
+        await coordinator.stop(0)
+
+
+async def test_the_elastic_cap_refuses_at_once() -> None:
+    coordinator = Coordinator(0, min_ranks=100, join_window=30, limits=Limits(max_ranks=3))
+    target = f"127.0.0.1:{await coordinator.start('127.0.0.1:0')}"
+    try:
+        held = [
+            asyncio.ensure_future(_call(target, "Join", _join(f"h{i}:1", f"{i}" * 32)))
+            for i in range(3)
+        ]
+        deadline = time.monotonic() + 10
+        while coordinator.joined < 3:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        start = time.monotonic()
+        code, _ = await _call(target, "Join", _join("late:1", "z" * 32))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, code
+        assert time.monotonic() - start < 5
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+    finally:
+        await coordinator.stop(0)
+
+
+async def test_malformed_requests_are_one_rate_limited_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    coordinator = Coordinator(2)
+    coordinator._bad_requests.interval = 0.2  # test: a short window
+    port = await coordinator.start("127.0.0.1:0")
+    target = f"127.0.0.1:{port}"
+    try:
+        with caplog.at_level(logging.WARNING, logger="ferrogrpc.coordinator"):
+            deadline = time.monotonic() + 10
+            sent = 0
+            while not any("more since" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline
+                for method in ("Join", "Heartbeat", "Status"):
+                    code, _ = await _call(target, method, b"\xff\xff\xff garbage")
+                    assert code == grpc.StatusCode.INVALID_ARGUMENT, (method, code)
+                    sent += 1
+            # Still serving, and nothing joined.
+            status = await fetch_status(target)
+            assert status.joined == 0
+        lines = [r for r in caplog.records if r.name == "ferrogrpc.coordinator"]
+        assert 1 <= len(lines) < sent, (len(lines), sent)
+        for record in lines:
+            assert record.exc_info is None and "\n" not in record.getMessage(), record
+            assert "undecodable" in record.getMessage()
+    finally:
+        await coordinator.stop(0)
+
+
+@pytest.mark.timeout(120)
+def test_the_coordinator_process_with_a_token_and_a_stuck_stderr() -> None:
+    # `python -m server` with FERROGRPC_TOKEN: the healthcheck and `ferrogrpc
+    # status` pass when given the token and fail without it; and with its
+    # stderr never read (a full pipe), it keeps answering while it logs.
+    import fcntl
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, clean_env
+
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    env = dict(clean_env(), FERROGRPC_TOKEN=TOKEN)
+    without = clean_env()
+    coord = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "--world-size",
+            "0",
+            "--min-ranks",
+            "1000",
+            "--join-window",
+            "60",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,  # never read
+        text=True,
+    )
+    try:
+        assert coord.stderr is not None and coord.stdout is not None
+        fcntl.fcntl(coord.stderr.fileno(), fcntl.F_SETPIPE_SZ, 4096)
+        assert "token required" in coord.stdout.readline()
+        # It listens where --host says, and only there.
+        ss = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+        mine = [line.split()[3] for line in ss.splitlines() if f"pid={coord.pid}," in line]
+        assert [m.replace("[::ffff:127.0.0.1]", "127.0.0.1") for m in mine] == [target], mine
+
+        def run(*cmd: str, with_token: bool) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, *cmd],
+                env=env if with_token else without,
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+
+        deadline = time.monotonic() + 30
+        while run("-m", "server.health", target, with_token=True).returncode:
+            assert time.monotonic() < deadline, "never healthy"
+        health = run("-m", "server.health", target, with_token=False)
+        assert health.returncode == 1 and "UNAUTHENTICATED" in health.stderr, health
+        status = run("-m", "ferrogrpc.cli", "status", target, with_token=False)
+        assert status.returncode == 1 and "UNAUTHENTICATED" in status.stderr, status
+        assert "0/0 joined" in run("-m", "ferrogrpc.cli", "status", target, with_token=True).stdout
+
+        async def flood() -> float:
+            # 200 joiners (a log line each, far more than the 4 KiB pipe holds),
+            # then a Status call: answered at once all the same.
+            calls = [
+                asyncio.ensure_future(
+                    _call(target, "Join", _join(f"host-{i}:1", f"{i:032d}"), TOKEN, timeout=60)
+                )
+                for i in range(200)
+            ]
+            deadline = time.monotonic() + 30
+            while True:
+                status = await fetch_status(target, token=TOKEN)
+                if status.joined == 200:
+                    break
+                assert time.monotonic() < deadline, status.joined
+            start = time.monotonic()
+            for _ in range(5):
+                await fetch_status(target, token=TOKEN)
+            took = time.monotonic() - start
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+            return took
+
+        took = asyncio.run(flood())
+        assert took < 2.0, took
+    finally:
+        coord.terminate()
+        try:
+            coord.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            coord.kill()
+            coord.wait()
+
+
+async def test_a_late_join_wipes_the_table_but_not_the_running_job() -> None:
+    # What a coordinator without a token lets anyone do (README, Security):
+    # a Join after the round completed starts a new round; the ranks of the
+    # running job keep working, with correct results.
+    coordinator = Coordinator(2)
+    target = f"127.0.0.1:{await coordinator.start('127.0.0.1:0')}"
+    settings = Settings(timeouts=fg.Timeouts(20, 10, 20))
+    try:
+        peers = await asyncio.gather(
+            *(
+                fg.Peer.start(
+                    None,
+                    None,
+                    rendezvous=CoordinatorRendezvous(target, timeout=20),
+                    settings=settings,
+                )
+                for _ in range(2)
+            )
+        )
+        try:
+            late = asyncio.ensure_future(_call(target, "Join", _join("late:1", "l" * 32)))
+            deadline = time.monotonic() + 10
+            while (status := await fetch_status(target)).joined != 1:
+                assert time.monotonic() < deadline, status
+            assert [m.address for m in status.members] == ["late:1"]
+            inputs = [torch.randn(50_000, dtype=torch.float64) for _ in peers]
+            ref = reference_sum(inputs)
+            outs = [t.clone() for t in inputs]
+            await asyncio.gather(*(p.all_reduce(t) for p, t in zip(peers, outs, strict=True)))
+            for t in outs:
+                torch.testing.assert_close(t, ref, atol=1e-10, rtol=1e-10)
+            late.cancel()
+            await asyncio.gather(late, return_exceptions=True)
+        finally:
+            await asyncio.gather(*(p.close() for p in peers))
+    finally:
+        await coordinator.stop(0)

@@ -25,3 +25,4 @@ def test_gpu_check_script_cpu_smoke() -> None:
     assert "collectives:" in proc.stdout and "0 failures" in proc.stdout, proc.stdout
     assert "all checks passed" in proc.stdout.splitlines()[-1], proc.stdout
     assert "DDP overlap=on" in proc.stdout and "overlap on / off:" in proc.stdout, proc.stdout
+    assert "FSDP-UNITS on cpu" in proc.stdout, proc.stdout

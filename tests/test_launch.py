@@ -114,7 +114,6 @@ def test_coordinator_assigns_ranks_reports_status_and_stops_on_sigterm() -> None
             )
             for _ in range(2)
         ]
-        time.sleep(1.0)
         status = ""
         deadline = time.monotonic() + 30
         while "2/2 joined" not in status:

@@ -1,10 +1,10 @@
-"""Load: 2,000 small collectives back to back plus 64 in flight at once
-across 4 ranks, all results checked; RSS and open descriptors stay flat."""
+"""Load: 3,800 small collectives back to back plus 64 in flight at once
+across 4 ranks, all results checked; RSS and open descriptors stay flat,
+within the margins BENCHMARKS.md reports."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Callable
 
@@ -12,13 +12,23 @@ import pytest
 import torch
 
 import ferrogrpc as fg
+from tests.helpers import open_fds
 
-RSS_MARGIN = 48 << 20  # bytes
-FD_MARGIN = 8
+# What BENCHMARKS.md reports after warm-up: RSS within 13 MiB, no new
+# descriptor. Held to that, not to a multiple of it: a leak of a few KiB per
+# collective shows.
+RSS_MARGIN = 13 << 20  # bytes
+FD_MARGIN = 0
 
 
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+async def _in_flight(peers: list[fg.Peer]) -> None:
+    """64 all_reduces in flight at once from every rank, results checked."""
+    inputs = [[torch.full((100 + k,), float(r * 100 + k)) for k in range(64)] for r in range(4)]
+    await asyncio.gather(*(peers[r].all_reduce(t) for r in range(4) for t in inputs[r]))
+    for k in range(64):
+        expected = sum(float(r * 100 + k) for r in range(4))
+        for r in range(4):
+            assert bool(inputs[r][k].eq(expected).all()), (r, k)
 
 
 async def _round(peers: list[fg.Peer], i: int) -> None:
@@ -43,28 +53,30 @@ async def _round(peers: list[fg.Peer], i: int) -> None:
 
 
 @pytest.mark.timeout(180)
-async def test_two_thousand_collectives_and_sixty_four_in_flight(
+async def test_thousands_of_collectives_and_sixty_four_in_flight(
     report: Callable[[str], None],
 ) -> None:
     async with fg.testing.local_group(4) as peers:
-        for i in range(200):  # warm up: connections, allocator, caches
+        # Warm up (connections, allocator, caches), the burst of collectives
+        # in flight included: its buffers are the run's high-water mark. The
+        # allocator keeps growing for a while under small collectives (one
+        # exchange each): after 200 rounds the next 1,800 still added 11-12
+        # MiB, after 2,000 they add 7 MiB, and a leak of a finished job per
+        # collective adds 24 MiB.
+        for i in range(2000):
             await _round(peers, i)
-        rss0, fds0 = fg.testing.rss(), _fds()
+        await _in_flight(peers)
+        rss0, fds0 = fg.testing.rss(), open_fds()
         start = time.monotonic()
-        for i in range(200, 2000):
+        for i in range(2000, 3800):
             await _round(peers, i)
         serial = time.monotonic() - start
-        # 64 all_reduces in flight at once from every rank.
-        inputs = [[torch.full((100 + k,), float(r * 100 + k)) for k in range(64)] for r in range(4)]
-        await asyncio.gather(*(peers[r].all_reduce(t) for r in range(4) for t in inputs[r]))
-        for k in range(64):
-            expected = sum(float(r * 100 + k) for r in range(4))
-            for r in range(4):
-                assert bool(inputs[r][k].eq(expected).all()), (r, k)
-        rss1, fds1 = fg.testing.rss(), _fds()
+        await _in_flight(peers)
+        rss1, fds1 = fg.testing.rss(), open_fds()
         report(
             f"load: 1800 collectives in {serial:.2f}s ({serial / 1800 * 1e3:.2f} ms each, 4 ranks "
             f"in one loop); RSS {rss0 >> 20} -> {rss1 >> 20} MiB, fds {fds0} -> {fds1}"
         )
-        assert rss1 - rss0 < RSS_MARGIN, (rss0, rss1)
-        assert fds1 - fds0 <= FD_MARGIN, (fds0, fds1)
+        grew = (rss1 - rss0) / (1 << 20)
+        assert rss1 - rss0 < RSS_MARGIN, f"RSS grew {grew:.1f} MiB (margin {RSS_MARGIN >> 20})"
+        assert fds1 - fds0 <= FD_MARGIN, f"descriptors {fds0} -> {fds1} (margin {FD_MARGIN})"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -105,23 +106,61 @@ async def test_broadcast_root_mismatch() -> None:
 
 
 async def test_bad_arguments_raise_before_sending() -> None:
+    # A refused call is still a collective: it takes its sequence number on
+    # the refusing rank, and the other rank's matching call fails at once,
+    # naming it (issue 17). No data moves, and the group stays in lock step.
     async with fg.testing.local_group(2, transport="memory") as peers:
-        p = peers[0]
-        with pytest.raises(fg.ConfigError, match=r"unsupported dtype torch\.uint8"):
-            p.all_reduce(torch.ones(3, dtype=torch.uint8))
-        with pytest.raises(TypeError, match=r"must be a torch\.Tensor"):
-            p.all_reduce([1, 2])  # type: ignore[arg-type]
-        with pytest.raises(fg.ConfigError, match=r"root must be a rank in \[0, 2\), got 2"):
-            p.broadcast(torch.ones(3), 2)
-        with pytest.raises(fg.ConfigError, match="expected world_size"):
-            p.all_gather_into_tensor(torch.empty(5), torch.ones(3))
-        with pytest.raises(fg.ConfigError, match="expected world_size"):
-            p.reduce_scatter_tensor(torch.empty(2), torch.ones(5))
-        with pytest.raises(fg.ConfigError, match="out has dtype"):
-            p.all_gather_into_tensor(torch.empty(6, dtype=torch.float64), torch.ones(3))
-        # Nothing was sent: the group still works, in lock step.
+        p, q = peers
+        cases: list[tuple[type[Exception], str, Any, Any]] = [
+            (
+                fg.ConfigError,
+                r"unsupported dtype torch\.complex64",
+                lambda: p.all_reduce(torch.ones(3, dtype=torch.complex64)),
+                lambda: q.all_reduce(torch.ones(3)),
+            ),
+            (
+                TypeError,
+                r"must be a torch\.Tensor",
+                lambda: p.all_reduce([1, 2]),
+                lambda: q.all_reduce(torch.ones(3)),
+            ),
+            (
+                fg.ConfigError,
+                r"root must be a rank in \[0, 2\), got 2",
+                lambda: p.broadcast(torch.ones(3), 2),
+                lambda: q.broadcast(torch.ones(3), 0),
+            ),
+            (
+                fg.ConfigError,
+                "expected world_size",
+                lambda: p.all_gather_into_tensor(torch.empty(5), torch.ones(3)),
+                lambda: q.all_gather_into_tensor(torch.empty(6), torch.ones(3)),
+            ),
+            (
+                fg.ConfigError,
+                "expected world_size",
+                lambda: p.reduce_scatter_tensor(torch.empty(2), torch.ones(5)),
+                lambda: q.reduce_scatter_tensor(torch.empty(2), torch.ones(4)),
+            ),
+            (
+                fg.ConfigError,
+                "out has dtype",
+                lambda: p.all_gather_into_tensor(
+                    torch.empty(6, dtype=torch.float64), torch.ones(3)
+                ),
+                lambda: q.all_gather_into_tensor(torch.empty(6), torch.ones(3)),
+            ),
+        ]
+        for cls, message, bad, good in cases:
+            with pytest.raises(cls, match=message):
+                bad()
+            with pytest.raises(fg.ConfigError, match=message) as info:
+                await asyncio.wait_for(good(), 5)
+            assert info.value.peer == 0 and "rank 0" in str(info.value), info.value
+        # The group still works, in lock step.
+        assert fg.testing.last_seq(p) == fg.testing.last_seq(q)
         ts = [torch.ones(3), torch.ones(3)]
-        await asyncio.gather(*(q.all_reduce(t) for q, t in zip(peers, ts, strict=True)))
+        await asyncio.gather(*(r.all_reduce(t) for r, t in zip(peers, ts, strict=True)))
         assert ts[0].tolist() == [2.0, 2.0, 2.0]
         await p.close()
         with pytest.raises(fg.ConfigError, match="closed"):
@@ -132,7 +171,7 @@ async def test_checksum_algorithm_mismatch() -> None:
     from ferrogrpc.integrity import crc32c
 
     async with fg.testing.local_group(2, timeouts=fg.Timeouts(collective=20, idle=10)) as peers:
-        peers[1].checksum = crc32c
+        fg.testing.set_checksum(peers[1], crc32c)
         results = await asyncio.gather(
             *(p.all_reduce(torch.ones(8)) for p in peers), return_exceptions=True
         )

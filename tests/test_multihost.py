@@ -13,29 +13,39 @@ even when the test fails.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.helpers import ROOT, clean_env
+from tests.helpers import RANKS as RANKS_DIR
+from tests.helpers import ROOT, SUBNET, clean_env, namespaces
 
 RANKS = 3
-SUBNET = "198.18.0"
 COMPOSE = ROOT / "docker-compose.yml"
 
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+# Runs a rank's command (``-m MODULE ARGS...`` or ``SCRIPT ARGS...``) once
+# torch and ferrogrpc are imported and a line arrives on stdin:
+# ``python -c GATE <the command's arguments>``.
+GATE = """
+import os, runpy, sys
+import torch, ferrogrpc
+print("READY", flush=True)
+sys.stdin.readline()
+target = sys.argv[1:]
+if target[0] == "-m":
+    sys.argv = target[1:]
+    runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+else:
+    sys.argv = target
+    sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
+    runpy.run_path(target[0], run_name="__main__")
+"""
 
 
 def _substitute(value: str, env: dict[str, str]) -> str:
@@ -59,73 +69,100 @@ def _service(spec: dict[str, object], env: dict[str, str]) -> tuple[list[str], d
     return command, service_env
 
 
-@contextlib.contextmanager
-def namespaces(names: list[str]) -> Iterator[dict[str, str]]:
-    """One namespace per name, each with an address on a shared bridge;
-    yields name -> address. Removes everything on exit."""
-    tag = f"fg{os.getpid() % 100000}"
-    hub = f"{tag}-hub"
-    created: list[str] = []
-    addresses = {name: f"{SUBNET}.{10 + i}" for i, name in enumerate(names)}
-    try:
-        _ip("netns", "add", hub)
-        created.append(hub)
-        _ip("-n", hub, "link", "add", "br0", "type", "bridge")
-        _ip("-n", hub, "link", "set", "br0", "up")
-        for i, name in enumerate(names):
-            ns = f"{tag}-{i}"
-            _ip("netns", "add", ns)
-            created.append(ns)
-            outer, inner = f"{tag}h{i}", f"{tag}n{i}"
-            _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
-            _ip("link", "set", outer, "netns", hub)
-            _ip("link", "set", inner, "netns", ns)
-            _ip("-n", hub, "link", "set", outer, "master", "br0", "up")
-            _ip("-n", ns, "addr", "add", f"{addresses[name]}/24", "dev", inner)
-            _ip("-n", ns, "link", "set", inner, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            etc = Path("/etc/netns") / ns
-            etc.mkdir(parents=True, exist_ok=True)
-            hosts = ["127.0.0.1 localhost"] + [f"{addr} {host}" for host, addr in addresses.items()]
-            (etc / "hosts").write_text("\n".join(hosts) + "\n")
-        yield {name: f"{tag}-{i}" for i, name in enumerate(names)} | {"__hub__": hub}
-    finally:
-        for ns in reversed(created):
-            for pid in _ip("netns", "pids", ns, check=False).stdout.split():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), 9)
-            _ip("netns", "del", ns, check=False)
-            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+def _start(
+    ns: str, command: list[str], env: dict[str, str], gated: bool = False
+) -> subprocess.Popen[str]:
+    if gated:
+        command = [command[0], "-c", GATE, *command[1:]]
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, *command],
+        env=env,
+        cwd=ROOT,
+        stdin=subprocess.PIPE if gated else None,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
-@pytest.mark.timeout(180)
-def test_compose_services_train_across_network_namespaces() -> None:
+def _release(procs: list[tuple[str, subprocess.Popen[str]]]) -> None:
+    """Wait until every gated process has imported (a rank's imports take
+    seconds on a busy machine), then let them all through at once: they
+    join within the coordinator's join window however long the imports
+    took."""
+    for name, proc in procs:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line == "READY\n", f"{name} did not reach the gate: {line}{proc.stdout.read()}"
+    for _, proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+
+
+def _wait_all(procs: list[tuple[str, subprocess.Popen[str]]], timeout: float) -> list[str]:
+    outputs = []
+    deadline = time.monotonic() + timeout
+    for name, proc in procs:
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        assert proc.returncode == 0, f"{name} failed:\n{out}"
+        outputs.append(out)
+    return outputs
+
+
+def _records(out: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+# Ranks per host (namespace): one rank each, as the compose replicas run;
+# 2 hosts x 2 ranks; and 2 + 1.
+LAYOUTS = {"1+1+1": [1, 1, 1], "2x2": [2, 2], "2+1": [2, 1]}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_compose_services_train_across_network_namespaces(layout: str) -> None:
     assert os.geteuid() == 0, "the multi-host test needs root for ip netns (CI runs as root)"
+    per_host = LAYOUTS[layout]
+    world = sum(per_host)
     compose = yaml.safe_load(COMPOSE.read_text())
     services = compose["services"]
     assert set(services) >= {"coordinator", "rank"}
     assert services["rank"]["deploy"]["replicas"] >= RANKS
     # The compose defaults: the coordinator sizes the group by who joins.
-    host_env = {"FERROGRPC_JOIN_WINDOW": "2", "FERROGRPC_STEPS": "8"}
+    # With a token: the coordinator, its healthcheck and every rank use it.
+    host_env = {
+        "FERROGRPC_JOIN_WINDOW": "2",
+        "FERROGRPC_STEPS": "8",
+        "FERROGRPC_TOKEN": f"compose-token-{layout}",
+    }
     coord_cmd, coord_env = _service(services["coordinator"], host_env)
     rank_cmd, rank_env = _service(services["rank"], host_env)
     assert rank_env["FERROGRPC_COORDINATOR"].startswith("coordinator:")
+    assert (
+        coord_env["FERROGRPC_TOKEN"] == rank_env["FERROGRPC_TOKEN"] == host_env["FERROGRPC_TOKEN"]
+    )
 
-    hosts = ["coordinator"] + [f"rank-{i}" for i in range(1, RANKS + 1)]
+    hosts = ["coordinator"] + [f"rank-{i}" for i in range(1, len(per_host) + 1)]
     base_env = clean_env()
     procs: list[subprocess.Popen[str]] = []
+
+    def ranks(command: list[str]) -> list[tuple[str, subprocess.Popen[str]]]:
+        started = []
+        for host, count in zip(hosts[1:], per_host, strict=True):
+            for i in range(count):
+                # Ranks sharing a host (a namespace) need ports of their own.
+                port = int(rank_env.get("FERROGRPC_PORT", "29500")) + i
+                env = {**base_env, **rank_env, "FERROGRPC_PORT": str(port)}
+                proc = _start(ns[host], command, env, gated=True)
+                procs.append(proc)
+                started.append((f"{host}/{i}", proc))
+        _release(started)
+        return started
+
     with namespaces(hosts) as ns:
         try:
-            procs.append(
-                subprocess.Popen(
-                    ["ip", "netns", "exec", ns["coordinator"], *coord_cmd],
-                    env=dict(base_env, **coord_env),
-                    cwd=ROOT,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-            )
+            procs.append(_start(ns["coordinator"], coord_cmd, dict(base_env, **coord_env)))
             # The compose healthcheck, run in the coordinator's namespace.
             health = services["coordinator"]["healthcheck"]["test"][1:]
             health = [sys.executable if part == "python" else part for part in health]
@@ -133,7 +170,7 @@ def test_compose_services_train_across_network_namespaces() -> None:
             while True:
                 probe = subprocess.run(
                     ["ip", "netns", "exec", ns["coordinator"], *health],
-                    env=base_env,
+                    env=dict(base_env, **coord_env),  # the container's environment
                     cwd=ROOT,
                     capture_output=True,
                     text=True,
@@ -142,22 +179,9 @@ def test_compose_services_train_across_network_namespaces() -> None:
                     break
                 assert time.monotonic() < deadline, f"coordinator never healthy: {probe.stderr}"
                 time.sleep(0.5)
-            for host in hosts[1:]:
-                procs.append(
-                    subprocess.Popen(
-                        ["ip", "netns", "exec", ns[host], *rank_cmd],
-                        env=dict(base_env, **rank_env),
-                        cwd=ROOT,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT,
-                        text=True,
-                    )
-                )
-            outputs = []
-            for host, proc in zip(hosts[1:], procs[1:], strict=True):
-                out, _ = proc.communicate(timeout=120)
-                assert proc.returncode == 0, f"{host} failed:\n{out}"
-                outputs.append(out)
+            outputs = _wait_all(ranks(rank_cmd), 120)
+            sharing = any(count > 1 for count in per_host)
+            measured = _wait_all(ranks([sys.executable, str(RANKS_DIR / "hier_bytes.py")]), 120)
         finally:
             for proc in procs:
                 if proc.poll() is None:
@@ -169,16 +193,44 @@ def test_compose_services_train_across_network_namespaces() -> None:
 
     checksums: dict[int, dict[int, float]] = {}
     addresses = set()
+    paths = set()
     for out in outputs:
-        records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        records = _records(out)
         joined = next(r for r in records if r.get("event") == "joined")
-        addresses.add(joined["address"].rsplit(":", 1)[0])
-        steps = {r["step"]: r["checksum"] for r in records if "checksum" in r}
+        addresses.add(str(joined["address"]).rsplit(":", 1)[0])
+        paths.add(joined["path"])
+        steps = {int(r["step"]): float(r["checksum"]) for r in records if "checksum" in r}  # type: ignore[arg-type]
         assert len(steps) == 8, out
-        checksums[joined["rank"]] = steps
-    assert sorted(checksums) == list(range(RANKS)), "the coordinator must assign ranks 0..N-1"
-    assert addresses == {f"{SUBNET}.{11 + i}" for i in range(RANKS)}, addresses
+        checksums[int(joined["rank"])] = steps  # type: ignore[call-overload]
+    assert sorted(checksums) == list(range(world)), "the coordinator must assign ranks 0..N-1"
+    assert addresses == {f"{SUBNET}.{11 + i}" for i in range(len(per_host))}, addresses
+    # Ranks in different namespaces are different hosts: gRPC between them,
+    # shared memory only inside a namespace.
+    assert paths == {"two-level" if sharing else "grpc"}, paths
     for step in range(8):
-        values = {checksums[r][step] for r in range(RANKS)}
+        values = {checksums[r][step] for r in range(world)}
         assert len(values) == 1, f"ranks disagree at step {step}: {values}"
-    print(f"multi-host: {RANKS} ranks at {sorted(addresses)} agree on all 8 steps")
+
+    # Bytes that crossed hosts: each namespace's own interface counters,
+    # over all_reduces of a known size. A ring of H hosts sends 2(H-1)/H of
+    # the tensor per host; a flat ring over every rank sends at least
+    # 2(W-1)/W of it across each host boundary it crosses.
+    results = [_records(out)[-1] for out in measured]
+    assert all(r["ok"] for r in results), results
+    by_host: dict[str, int] = {}
+    for r in results:
+        host = str(r["address"]).rsplit(":", 1)[0]
+        by_host[host] = max(by_host.get(host, 0), int(r["tx_bytes"]))  # type: ignore[call-overload]
+    payload = int(results[0]["payload_bytes"])  # type: ignore[call-overload]
+    count = len(per_host)
+    ring_of_hosts = payload * 2 * (count - 1) / count
+    flat_ring = payload * 2 * (world - 1) / world
+    for host, sent in sorted(by_host.items()):
+        ratio = sent / ring_of_hosts
+        print(
+            f"{layout}: host {host} sent {sent / 2**20:.1f} MiB across hosts for "
+            f"{payload / 2**20:.0f} MiB of all_reduce: {ratio:.2f} x a ring of hosts "
+            f"({flat_ring / ring_of_hosts:.2f} x for a flat ring)"
+        )
+        if sharing:
+            assert 0.95 < ratio < 1.15, (host, sent, ring_of_hosts)

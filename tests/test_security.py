@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import datetime
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import crc32c as crc32c_package
 import grpc
@@ -22,10 +24,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ferrogrpc as fg
-from ferrogrpc import wire
+from ferrogrpc import integrity, wire
+from ferrogrpc.grpc_transport import ABORT_METHOD, SEND_METHOD, TOKEN_METADATA_KEY
+from ferrogrpc.settings import Settings
 from ferrogrpc.testing import Fault, FaultKind
-from ferrogrpc.transport import ABORT_METHOD, SEND_METHOD, TOKEN_METADATA_KEY
 from ferrogrpc.v1 import collective_pb2 as pb
+from tests.helpers import async_wait_until, backends, free_port, on_ranks
 
 pytestmark = pytest.mark.timeout(120)
 FAST = fg.Timeouts(collective=20, idle=5, connect=10)
@@ -96,15 +100,180 @@ async def test_corrupted_chunk_is_named_and_reaches_no_tensor(
         report(f"corrupted chunk detected: {detected}")
 
 
-async def test_checksum_off_is_switchable() -> None:
-    async with fg.testing.local_group(2, checksum=False) as peers:
-        ts = [torch.ones(1000), torch.ones(1000)]
-        await asyncio.gather(*(p.all_reduce(t) for p, t in zip(peers, ts, strict=True)))
-        assert ts[0][0].item() == 2.0
+async def test_corrupted_small_message_is_named_and_reaches_no_tensor() -> None:
+    # A small all_reduce is one exchange over the ranks' long-lived links;
+    # its messages carry a checksum like a ring's chunks.
+    async with fg.testing.local_group(
+        3,
+        timeouts=FAST,
+        faults=[Fault(rank=1, kind=FaultKind.CORRUPT_PAYLOAD, nth=0, collective="all_reduce")],
+    ) as peers:
+        tensors = [torch.full((100,), float(r + 1)) for r in range(3)]
+        results = await asyncio.gather(
+            *(p.all_reduce(t) for p, t in zip(peers, tensors, strict=True)),
+            return_exceptions=True,
+        )
+        # Every rank that received the corrupted message (or a report of
+        # it) raises, naming rank 1; a rank whose own messages were all
+        # sound may finish first (one exchange has no second round), with
+        # the right values, and then learns of it: its next call raises.
+        failed = [r for r, res in enumerate(results) if isinstance(res, BaseException)]
+        assert len(failed) >= 1, results
+        for r, res in enumerate(results):
+            if isinstance(res, BaseException):
+                assert isinstance(res, fg.ProtocolError) and res.peer == 1, (r, res)
+            else:
+                assert torch.equal(res, torch.full((100,), 6.0)), (r, res)
+        found = [results[r] for r in failed if "reported" not in str(results[r])]
+        assert len(found) == 1 and "crc32 check" in str(found[0]), results
+        for p in peers:
+            with pytest.raises(fg.ProtocolError, match="rank 1"):
+                deadline = asyncio.get_running_loop().time() + 10
+                while True:  # until the report has reached every rank
+                    await p.barrier()
+                    assert asyncio.get_running_loop().time() < deadline
+                    await asyncio.sleep(0.01)
+
+
+# Three ranks, 256 KiB chunks, a tensor whose ring segments are two chunks
+# each: rank 1's data chunk 0 is its own data (step 0), and its chunk 2 a
+# partial sum it forwards (step 1).
+CHUNKS = fg.ChunkPolicy(chunk_bytes=256 << 10)
+NUMEL = 3 * 2 * (256 << 10) // 4
+
+
+def _wrong_elements(tensors: list[torch.Tensor], expected: float) -> list[tuple[int, int, float]]:
+    """(rank, index, value) of every element that is not ``expected``."""
+    return [
+        (r, int(i), float(t[i]))
+        for r, t in enumerate(tensors)
+        for i in (t != expected).nonzero().flatten().tolist()
+    ]
+
+
+@pytest.mark.parametrize("transport", ["grpc", "memory"])
+@pytest.mark.parametrize("how", ["checksum=False", "FERROGRPC_CHECKSUM=0"])
+@pytest.mark.parametrize("nth", [0, 2])
+async def test_checksum_off_lets_a_corrupted_chunk_through(
+    transport: str, how: str, nth: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The switch really turns the check off: the same corruption that is a
+    # ProtocolError with the checksum on (below) now arrives in the result.
+    options: dict[str, object] = {}
+    if how == "checksum=False":
+        options["checksum"] = False
+    else:
+        monkeypatch.setenv("FERROGRPC_CHECKSUM", "0")  # read by Peer.start (Settings.from_env)
+    fault = Fault(rank=1, kind=FaultKind.CORRUPT_PAYLOAD, nth=nth, collective="all_reduce")
+    async with fg.testing.local_group(
+        3,
+        transport=transport,
+        timeouts=FAST,
+        chunk_policy=CHUNKS,
+        faults=[fault],
+        **options,  # type: ignore[arg-type]
+    ) as peers:
+        tensors = [torch.full((NUMEL,), float(r + 1)) for r in range(3)]
+        results = await asyncio.gather(
+            *(p.all_reduce(t) for p, t in zip(peers, tensors, strict=True)),
+            return_exceptions=True,
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert not errors, f"the corrupted chunk was still rejected with {how}: {errors[0]}"
+        assert all(fg.testing.checksum(p) is None for p in peers)
+    wrong = _wrong_elements(tensors, 6.0)
+    print(f"{how}, {transport}: wrong elements (rank, index, value): {wrong}")
+    assert wrong, "no corrupted value arrived: the checksum was still checked"
+    # What arrived is the one corrupted element (the last of its chunk: the
+    # fault flips a message's last byte), at most once per rank.
+    assert len({i for _, i, _ in wrong}) == 1 and len(wrong) <= 3, wrong
+    assert (wrong[0][1] + 1) % (CHUNKS.chunk_bytes // 4) == 0, wrong  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("how", ["checksum=False", "FERROGRPC_CHECKSUM=0"])
+def test_checksum_off_through_init_backend(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The same through init_backend, as a training job configures it, with
+    # every byte over gRPC (shm=False).
+    options: dict[str, object] = {"shm": False, "timeouts": FAST, "chunk_policy": CHUNKS}
+    if how == "checksum=False":
+        options["checksum"] = False
+    else:
+        monkeypatch.setenv("FERROGRPC_CHECKSUM", "0")
+    group = backends(3, **options)
+    try:
+        fg.testing.inject(group[1], Fault(rank=1, nth=2, collective="all_reduce"))
+        tensors = [torch.full((NUMEL,), float(r + 1)) for r in range(3)]
+
+        def call(rank: int) -> BaseException | None:
+            try:
+                group[rank].all_reduce(tensors[rank])
+            except fg.FerroGrpcError as exc:
+                return exc
+            return None
+
+        errors = [e for e in on_ranks(call, 3) if e is not None]
+        assert not errors, f"the corrupted chunk was still rejected with {how}: {errors[0]}"
+        assert all(fg.testing.checksum(b) is None for b in group)
+    finally:
+        for b in group:
+            b.close()
+    wrong = _wrong_elements(tensors, 6.0)
+    print(f"init_backend {how}: wrong elements (rank, index, value): {wrong}")
+    assert wrong, "no corrupted value arrived: the checksum was still checked"
+    assert len({i for _, i, _ in wrong}) == 1, wrong
+
+
+@pytest.mark.parametrize("transport", ["grpc", "memory"])
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("nth", [0, 2])
+async def test_corrupted_chunk_on_a_reduced_path_names_the_sender(
+    transport: str, collective: str, nth: int
+) -> None:
+    # The broadcast test above corrupts a chunk that is copied; these corrupt
+    # one that the receiver reduces into its own data (nth=0: the sender's
+    # own values; nth=2: a partial sum the sender forwards).
+    fault = Fault(rank=1, kind=FaultKind.CORRUPT_PAYLOAD, nth=nth, collective=collective)
+    async with fg.testing.local_group(
+        3,
+        transport=transport,
+        timeouts=FAST,
+        chunk_policy=CHUNKS,
+        faults=[fault],  # type: ignore[arg-type]
+    ) as peers:
+        inputs = [torch.full((NUMEL,), float(r + 1)) for r in range(3)]
+        tensors = [t.clone() for t in inputs]
+        if collective == "all_reduce":
+            calls = [p.all_reduce(t) for p, t in zip(peers, tensors, strict=True)]
+        else:
+            calls = [p.reduce_scatter(t) for p, t in zip(peers, tensors, strict=True)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        address = peers[1].address
+    for r, res in enumerate(results):
+        if collective == "reduce_scatter" and not isinstance(res, BaseException):
+            # A rank whose own part never depended on the corrupted chunk
+            # may have finished first: then with the right values.
+            assert res.eq(6.0).all(), (r, res)
+            continue
+        assert isinstance(res, fg.ProtocolError), (
+            f"rank {r}: no ProtocolError for the corrupted chunk; it got "
+            + (repr(res) if isinstance(res, BaseException) else "a result")
+        )
+        assert res.peer == 1, (r, res)
+    detected = results[2]  # rank 1 sends to rank 2
+    assert "crc32 check" in str(detected) and f"rank 1 ({address})" in str(detected), detected
+    assert "reported" not in str(detected), detected
+    if collective == "reduce_scatter":
+        for t, original in zip(tensors, inputs, strict=True):
+            assert torch.equal(t, original)  # the input is never modified
+    else:
+        # Only values that were really computed: inputs 1, 2, 3, partial sums
+        # of neighbours 3, 4, 5, the total 6; the corrupted chunk's values
+        # (negative: the flipped byte is a sign) reached no tensor.
+        for t in tensors:
+            assert set(torch.unique(t).tolist()) <= {1.0, 2.0, 3.0, 4.0, 5.0, 6.0}
 
 
 def test_checksum_choices(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ferrogrpc import integrity
 
     data = memoryview(bytes(range(256)) * 4099)
     # ISA-L (where installed) and zlib compute the same CRC-32, so ranks with
@@ -124,19 +293,20 @@ def test_checksum_choices(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv("FERROGRPC_CHECKSUM", raising=False)
         else:
             monkeypatch.setenv("FERROGRPC_CHECKSUM", value)
-        assert integrity.resolve_checksum(None) is expected, value
+        assert Settings.from_env().checksum is expected, value
     monkeypatch.setenv("FERROGRPC_CHECKSUM", "md5")
     with pytest.raises(fg.ConfigError, match="FERROGRPC_CHECKSUM='md5'"):
-        integrity.resolve_checksum(None)
-    assert integrity.resolve_checksum("crc32c") is integrity.crc32c
-    assert integrity.resolve_checksum(False) is None
+        Settings.from_env()
+    monkeypatch.delenv("FERROGRPC_CHECKSUM")
+    assert Settings.from_env().merged(checksum="crc32c").checksum is integrity.crc32c
+    assert Settings.from_env().merged(checksum=False).checksum is None
     with pytest.raises(fg.ConfigError, match="checksum='sha1'"):
-        integrity.resolve_checksum("sha1")
+        Settings.from_env().merged(checksum="sha1")
 
 
 async def test_crc32c_by_name_runs_collectives() -> None:
     async with fg.testing.local_group(3, checksum="crc32c") as peers:
-        assert all(p.checksum is not None and p.checksum.__name__ == "crc32c" for p in peers)
+        assert all(fg.testing.checksum(p) is integrity.crc32c for p in peers)
         ts = [torch.full((3000,), float(r)) for r in range(3)]
         await asyncio.gather(*(p.all_reduce(t) for p, t in zip(peers, ts, strict=True)))
         assert all(t.eq(3.0).all() for t in ts)
@@ -151,7 +321,7 @@ async def test_token_refuses_clients_without_it() -> None:
         descriptor = pb.Descriptor(
             kind=pb.ALL_REDUCE, dtype=pb.FLOAT32, numel=100, world_size=2, lanes=1
         )
-        forged = [_chunk(peers[1]._seq + 1, 0, descriptor)]
+        forged = [_chunk(fg.testing.last_seq(peers[1]) + 1, 0, descriptor)]
         assert await _rogue_send(target, forged) == grpc.StatusCode.UNAUTHENTICATED
         assert (
             await _rogue_send(target, forged, ((TOKEN_METADATA_KEY, "wrong"),))
@@ -170,11 +340,41 @@ async def test_token_refuses_clients_without_it() -> None:
         assert ts[0].eq(7.0).all() and ts[1].eq(7.0).all()
 
 
+@pytest.mark.parametrize("how", ["FERROGRPC_TOKEN", "token="])
+def test_token_through_init_backend(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As a job sets it: the variable, or init_backend's argument.
+    token = "s3cret-token"
+    options: dict[str, object] = {"timeouts": FAST}
+    if how == "token=":
+        options["token"] = token
+    else:
+        monkeypatch.setenv("FERROGRPC_TOKEN", token)
+    group = backends(2, **options)
+    try:
+        ts = [torch.full((100,), 1.0), torch.full((100,), 2.0)]
+        on_ranks(lambda r: group[r].all_reduce(ts[r]), 2)
+        assert ts[0].eq(3.0).all() and ts[1].eq(3.0).all()
+        target = group[1].address
+        forged = [_chunk(fg.testing.last_seq(group[1]) + 1, 0)]
+        refused = asyncio.run(_rogue_send(target, forged))
+        assert refused == grpc.StatusCode.UNAUTHENTICATED, refused
+        # With the token the same stream gets past the interceptor (and is
+        # then refused for what it is: no descriptor, no nonce).
+        admitted = asyncio.run(_rogue_send(target, forged, ((TOKEN_METADATA_KEY, token),)))
+        assert admitted == grpc.StatusCode.INVALID_ARGUMENT, admitted
+        ts = [torch.full((100,), 3.0), torch.full((100,), 4.0)]
+        on_ranks(lambda r: group[r].all_reduce(ts[r]), 2)
+        assert ts[0].eq(7.0).all() and ts[1].eq(7.0).all()
+    finally:
+        for b in group:
+            b.close()
+
+
 async def test_rogue_neighbour_during_a_collective_changes_nothing() -> None:
     async with fg.testing.local_group(3, timeouts=FAST) as peers:
         n = 1 << 16
         inputs = [torch.full((n,), float(r + 1)) for r in range(3)]
-        seq = peers[1]._seq + 1
+        seq = fg.testing.last_seq(peers[1]) + 1
         descriptor = pb.Descriptor(
             kind=pb.ALL_REDUCE,
             dtype=pb.FLOAT32,
@@ -188,7 +388,12 @@ async def test_rogue_neighbour_during_a_collective_changes_nothing() -> None:
         # Ranks 1 and 2 start; rank 0 (rank 1's left neighbour) is late, and a
         # rogue claims to be rank 0 first, with and without a guessed nonce.
         work = [asyncio.ensure_future(peers[r].all_reduce(inputs[r])) for r in (1, 2)]
-        await asyncio.sleep(0.05)
+        # Both are under way: each has sent data (its own first chunks).
+        await async_wait_until(
+            lambda: all(fg.testing.stats(peers[r]).bytes_sent > 0 for r in (1, 2)),
+            10,
+            "ranks 1 and 2 to start the collective",
+        )
         for nonce in ("", "0" * 32):
             status = await _rogue_send(
                 peers[1].address,
@@ -280,6 +485,70 @@ async def test_mutual_tls(tmp_path: object) -> None:
                 await call.done_writing()
                 await call
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _write_tls(config: fg.TLSConfig, folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Write ``config``'s PEMs to files and point FERROGRPC_TLS_* at them."""
+    for variable, name, data in [
+        ("FERROGRPC_TLS_CERT", "cert.pem", config.certificate_chain),
+        ("FERROGRPC_TLS_KEY", "key.pem", config.private_key),
+        ("FERROGRPC_TLS_CA", "ca.pem", config.root_certificates),
+    ]:
+        (folder / name).write_bytes(data)
+        monkeypatch.setenv(variable, str(folder / name))
+
+
+@pytest.mark.parametrize("server_name", ["ferrogrpc-peer", "someone-else", None])
+def test_tls_variables_through_init_backend(
+    server_name: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # FERROGRPC_TLS_CERT/_KEY/_CA turn mutual TLS on; the certificate names
+    # "ferrogrpc-peer", not the dialled 127.0.0.1, so the group forms only if
+    # FERROGRPC_TLS_SERVER_NAME says that name.
+    good, _ = _certificates(str(tmp_path))
+    _write_tls(good, tmp_path, monkeypatch)
+    if server_name is None:
+        monkeypatch.delenv("FERROGRPC_TLS_SERVER_NAME", raising=False)
+    else:
+        monkeypatch.setenv("FERROGRPC_TLS_SERVER_NAME", server_name)
+    # Every byte over gRPC: the ring check at start-up then crosses TLS (over
+    # the same-host plane it would not, and a wrong name would only show at
+    # the first abort or ping).
+    timeouts = fg.Timeouts(collective=20, idle=5, connect=3)
+    if server_name != "ferrogrpc-peer":
+        # Every rank fails. Each one's own handshake fails the hostname
+        # check, unless its neighbour failed first and already shut down:
+        # then it names that neighbour as gone. At least one names the cause.
+        start = time.monotonic()
+        port = free_port()
+
+        def join(rank: int) -> BaseException | None:
+            try:
+                fg.init_backend(rank, 2, "127.0.0.1", port, timeouts=timeouts, shm=False)
+            except fg.FerroGrpcError as exc:
+                return exc
+            return None
+
+        errors = on_ranks(join, 2)
+        for rank, err in enumerate(errors):
+            print(f"server name {server_name}: rank {rank}: {type(err).__name__}: {err}")
+        assert all(isinstance(err, fg.FerroGrpcError) for err in errors), errors
+        assert any("Hostname Verification" in str(err) for err in errors), errors
+        for rank, err in enumerate(errors):
+            assert "Hostname Verification" in str(err) or f"rank {1 - rank}" in str(err), err
+        assert time.monotonic() - start < 40
+        return
+    group = backends(2, timeouts=timeouts, shm=False)
+    try:
+        ts = [torch.ones(1000), torch.full((1000,), 2.0)]
+        on_ranks(lambda r: group[r].all_reduce(ts[r]), 2)
+        assert ts[0].eq(3.0).all() and ts[1].eq(3.0).all()
+        # Plaintext is refused: the server speaks only TLS.
+        refused = asyncio.run(_rogue_send(group[1].address, [b"x"]))
+        assert refused == grpc.StatusCode.UNAVAILABLE, refused
+    finally:
+        for b in group:
+            b.close()
 
 
 # ----------------------------------------------------------------- fuzzing
@@ -386,4 +655,4 @@ def test_fuzz_abort_rpc(live_group: _LiveGroup, data: bytes) -> None:
 
 def test_fuzzed_peer_still_serves_correct_collectives(live_group: _LiveGroup) -> None:
     live_group.check_still_serves()
-    assert live_group.peers[1].broken is None  # type: ignore[attr-defined]
+    assert fg.testing.broken(live_group.peers[1]) is None  # type: ignore[attr-defined]

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import ferrogrpc as fg
+from ferrogrpc.errors import Identity
+from ferrogrpc.placement import Placement
 from ferrogrpc.staging import Copier, PinnedPool, Stage, host_view
 from tests.helpers import reference_sum
 
@@ -66,21 +68,23 @@ class NanPool(PinnedPool):
         return buf
 
 
-def _stage_everything(peers: list[fg.Peer]) -> list[list[str]]:
-    logs: list[list[str]] = []
-    for p in peers:
-        log: list[str] = []
-        logs.append(log)
-        p._copier_factory = lambda t, log=log: LazyCopier(log)  # type: ignore[misc]
-        p._pool = NanPool(pin=False)
-    return logs
+def _stage_everything(world: int) -> tuple[Callable[[Identity], Placement], list[list[str]]]:
+    """A placement that stages every tensor through a LazyCopier and a
+    NaN-filled pool, and each rank's copier log."""
+    logs: list[list[str]] = [[] for _ in range(world)]
+
+    def make(me: Identity) -> Placement:
+        log = logs[me.rank]
+        return Placement(me, copier_factory=lambda t: LazyCopier(log), pool=NanPool(pin=False))
+
+    return make, logs
 
 
 @pytest.mark.parametrize("world", [2, 3])
 async def test_staged_collectives_match_the_reference(world: int) -> None:
     policy = fg.ChunkPolicy(chunk_bytes=256, max_lanes=2, lane_min_bytes=1024)
-    async with fg.testing.local_group(world, chunk_policy=policy) as peers:
-        logs = _stage_everything(peers)
+    placement, logs = _stage_everything(world)
+    async with fg.testing.local_group(world, chunk_policy=policy, placement=placement) as peers:
         for numel in (1, 7, 1000, 4099):
             inputs = [
                 torch.randn(numel, dtype=torch.float64, generator=torch.Generator().manual_seed(r))

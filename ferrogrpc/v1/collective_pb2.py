@@ -25,35 +25,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66\x65rrogrpc/v1/collective.proto\x12\x0c\x66\x65rrogrpc.v1\"\x8a\x02\n\nDescriptor\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.ferrogrpc.v1.CollectiveKind\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.ferrogrpc.v1.DType\x12\r\n\x05numel\x18\x03 \x01(\x04\x12)\n\treduce_op\x18\x04 \x01(\x0e\x32\x16.ferrogrpc.v1.ReduceOp\x12\x0c\n\x04root\x18\x05 \x01(\r\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12\r\n\x05lanes\x18\x07 \x01(\r\x12\x13\n\x0b\x63hunk_elems\x18\x08 \x01(\x04\x12,\n\x08\x63hecksum\x18\t \x01(\x0e\x32\x1a.ferrogrpc.v1.ChecksumKind\"\xb1\x02\n\x0b\x43hunkHeader\x12\r\n\x05group\x18\x01 \x01(\r\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12*\n\x04kind\x18\x03 \x01(\x0e\x32\x1c.ferrogrpc.v1.CollectiveKind\x12\x0c\n\x04step\x18\x04 \x01(\r\x12\x10\n\x08src_rank\x18\x05 \x01(\r\x12\x13\n\x0b\x63hunk_index\x18\x06 \x01(\r\x12\x0c\n\x04lane\x18\x07 \x01(\r\x12\x0e\n\x06offset\x18\x08 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\t \x01(\x07\x12\x14\n\x0chas_checksum\x18\n \x01(\x08\x12,\n\ndescriptor\x18\x0b \x01(\x0b\x32\x18.ferrogrpc.v1.Descriptor\x12\r\n\x05nonce\x18\x0c \x01(\t\x12\"\n\x05\x61\x62ort\x18\r \x01(\x0b\x32\x13.ferrogrpc.v1.Abort\"P\n\x05\x43hunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.ferrogrpc.v1.ChunkHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x0b\n\x03pad\x18\x03 \x01(\x0c\"\x1b\n\tStreamAck\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\x04\"v\n\x05\x41\x62ort\x12\r\n\x05group\x18\x01 \x01(\r\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x11\n\tfrom_rank\x18\x03 \x01(\r\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x0f\n\x07\x63ulprit\x18\x06 \x01(\x05\x12\r\n\x05nonce\x18\x07 \x01(\t\"\n\n\x08\x41\x62ortAck\"\x19\n\x04Ping\x12\x11\n\tfrom_rank\x18\x01 \x01(\r*\x81\x01\n\x0e\x43ollectiveKind\x12\x1f\n\x1b\x43OLLECTIVE_KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nALL_REDUCE\x10\x01\x12\x0e\n\nALL_GATHER\x10\x02\x12\x12\n\x0eREDUCE_SCATTER\x10\x03\x12\r\n\tBROADCAST\x10\x04\x12\x0b\n\x07\x42\x41RRIER\x10\x05*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0c\n\x08\x42\x46LOAT16\x10\x04\x12\t\n\x05INT32\x10\x05\x12\t\n\x05INT64\x10\x06*J\n\x08ReduceOp\x12\x19\n\x15REDUCE_OP_UNSPECIFIED\x10\x00\x12\x07\n\x03SUM\x10\x01\x12\x08\n\x04MEAN\x10\x02\x12\x07\n\x03MAX\x10\x03\x12\x07\n\x03MIN\x10\x04*J\n\x0c\x43hecksumKind\x12\x11\n\rCHECKSUM_NONE\x10\x00\x12\x13\n\x0f\x43HECKSUM_CRC32C\x10\x01\x12\x12\n\x0e\x43HECKSUM_CRC32\x10\x02\x32\xaa\x01\n\nCollective\x12\x36\n\x04Send\x12\x13.ferrogrpc.v1.Chunk\x1a\x17.ferrogrpc.v1.StreamAck(\x01\x12\x34\n\x05\x41\x62ort\x12\x13.ferrogrpc.v1.Abort\x1a\x16.ferrogrpc.v1.AbortAck\x12.\n\x04Ping\x12\x12.ferrogrpc.v1.Ping\x1a\x12.ferrogrpc.v1.Pingb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66\x65rrogrpc/v1/collective.proto\x12\x0c\x66\x65rrogrpc.v1\"\xb3\x02\n\nDescriptor\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.ferrogrpc.v1.CollectiveKind\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.ferrogrpc.v1.DType\x12\r\n\x05numel\x18\x03 \x01(\x04\x12)\n\treduce_op\x18\x04 \x01(\x0e\x32\x16.ferrogrpc.v1.ReduceOp\x12\x0c\n\x04root\x18\x05 \x01(\r\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12\r\n\x05lanes\x18\x07 \x01(\r\x12\x13\n\x0b\x63hunk_elems\x18\x08 \x01(\x04\x12,\n\x08\x63hecksum\x18\t \x01(\x0e\x32\x1a.ferrogrpc.v1.ChecksumKind\x12\'\n\nwire_dtype\x18\n \x01(\x0e\x32\x13.ferrogrpc.v1.DType\"\xb1\x02\n\x0b\x43hunkHeader\x12\r\n\x05group\x18\x01 \x01(\r\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12*\n\x04kind\x18\x03 \x01(\x0e\x32\x1c.ferrogrpc.v1.CollectiveKind\x12\x0c\n\x04step\x18\x04 \x01(\r\x12\x10\n\x08src_rank\x18\x05 \x01(\r\x12\x13\n\x0b\x63hunk_index\x18\x06 \x01(\r\x12\x0c\n\x04lane\x18\x07 \x01(\r\x12\x0e\n\x06offset\x18\x08 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\t \x01(\x07\x12\x14\n\x0chas_checksum\x18\n \x01(\x08\x12,\n\ndescriptor\x18\x0b \x01(\x0b\x32\x18.ferrogrpc.v1.Descriptor\x12\r\n\x05nonce\x18\x0c \x01(\t\x12\"\n\x05\x61\x62ort\x18\r \x01(\x0b\x32\x13.ferrogrpc.v1.Abort\"P\n\x05\x43hunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.ferrogrpc.v1.ChunkHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x0b\n\x03pad\x18\x03 \x01(\x0c\"\x1b\n\tStreamAck\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\x04\"\x87\x01\n\x05\x41\x62ort\x12\r\n\x05group\x18\x01 \x01(\r\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x11\n\tfrom_rank\x18\x03 \x01(\r\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x0f\n\x07\x63ulprit\x18\x06 \x01(\x05\x12\r\n\x05nonce\x18\x07 \x01(\t\x12\x0f\n\x07refused\x18\x08 \x01(\x08\"\n\n\x08\x41\x62ortAck\"\x19\n\x04Ping\x12\x11\n\tfrom_rank\x18\x01 \x01(\r*\xa4\x01\n\x0e\x43ollectiveKind\x12\x1f\n\x1b\x43OLLECTIVE_KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nALL_REDUCE\x10\x01\x12\x0e\n\nALL_GATHER\x10\x02\x12\x12\n\x0eREDUCE_SCATTER\x10\x03\x12\r\n\tBROADCAST\x10\x04\x12\x0b\n\x07\x42\x41RRIER\x10\x05\x12\x08\n\x04LINK\x10\x06\x12\x0e\n\nALL_TO_ALL\x10\x07\x12\x07\n\x03P2P\x10\x08*\x93\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0c\n\x08\x42\x46LOAT16\x10\x04\x12\t\n\x05INT32\x10\x05\x12\t\n\x05INT64\x10\x06\x12\t\n\x05UINT8\x10\x07\x12\x08\n\x04INT8\x10\x08\x12\t\n\x05INT16\x10\t\x12\x08\n\x04\x42OOL\x10\n*t\n\x08ReduceOp\x12\x19\n\x15REDUCE_OP_UNSPECIFIED\x10\x00\x12\x07\n\x03SUM\x10\x01\x12\x08\n\x04MEAN\x10\x02\x12\x07\n\x03MAX\x10\x03\x12\x07\n\x03MIN\x10\x04\x12\x0b\n\x07PRODUCT\x10\x05\x12\x08\n\x04\x42\x41ND\x10\x06\x12\x07\n\x03\x42OR\x10\x07\x12\x08\n\x04\x42XOR\x10\x08*J\n\x0c\x43hecksumKind\x12\x11\n\rCHECKSUM_NONE\x10\x00\x12\x13\n\x0f\x43HECKSUM_CRC32C\x10\x01\x12\x12\n\x0e\x43HECKSUM_CRC32\x10\x02\x32\xaa\x01\n\nCollective\x12\x36\n\x04Send\x12\x13.ferrogrpc.v1.Chunk\x1a\x17.ferrogrpc.v1.StreamAck(\x01\x12\x34\n\x05\x41\x62ort\x12\x13.ferrogrpc.v1.Abort\x1a\x16.ferrogrpc.v1.AbortAck\x12.\n\x04Ping\x12\x12.ferrogrpc.v1.Ping\x1a\x12.ferrogrpc.v1.Pingb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ferrogrpc.v1.collective_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COLLECTIVEKIND']._serialized_start=895
-  _globals['_COLLECTIVEKIND']._serialized_end=1024
-  _globals['_DTYPE']._serialized_start=1026
-  _globals['_DTYPE']._serialized_end=1131
-  _globals['_REDUCEOP']._serialized_start=1133
-  _globals['_REDUCEOP']._serialized_end=1207
-  _globals['_CHECKSUMKIND']._serialized_start=1209
-  _globals['_CHECKSUMKIND']._serialized_end=1283
+  _globals['_COLLECTIVEKIND']._serialized_start=954
+  _globals['_COLLECTIVEKIND']._serialized_end=1118
+  _globals['_DTYPE']._serialized_start=1121
+  _globals['_DTYPE']._serialized_end=1268
+  _globals['_REDUCEOP']._serialized_start=1270
+  _globals['_REDUCEOP']._serialized_end=1386
+  _globals['_CHECKSUMKIND']._serialized_start=1388
+  _globals['_CHECKSUMKIND']._serialized_end=1462
   _globals['_DESCRIPTOR']._serialized_start=48
-  _globals['_DESCRIPTOR']._serialized_end=314
-  _globals['_CHUNKHEADER']._serialized_start=317
-  _globals['_CHUNKHEADER']._serialized_end=622
-  _globals['_CHUNK']._serialized_start=624
-  _globals['_CHUNK']._serialized_end=704
-  _globals['_STREAMACK']._serialized_start=706
-  _globals['_STREAMACK']._serialized_end=733
-  _globals['_ABORT']._serialized_start=735
-  _globals['_ABORT']._serialized_end=853
-  _globals['_ABORTACK']._serialized_start=855
-  _globals['_ABORTACK']._serialized_end=865
-  _globals['_PING']._serialized_start=867
-  _globals['_PING']._serialized_end=892
-  _globals['_COLLECTIVE']._serialized_start=1286
-  _globals['_COLLECTIVE']._serialized_end=1456
+  _globals['_DESCRIPTOR']._serialized_end=355
+  _globals['_CHUNKHEADER']._serialized_start=358
+  _globals['_CHUNKHEADER']._serialized_end=663
+  _globals['_CHUNK']._serialized_start=665
+  _globals['_CHUNK']._serialized_end=745
+  _globals['_STREAMACK']._serialized_start=747
+  _globals['_STREAMACK']._serialized_end=774
+  _globals['_ABORT']._serialized_start=777
+  _globals['_ABORT']._serialized_end=912
+  _globals['_ABORTACK']._serialized_start=914
+  _globals['_ABORTACK']._serialized_end=924
+  _globals['_PING']._serialized_start=926
+  _globals['_PING']._serialized_end=951
+  _globals['_COLLECTIVE']._serialized_start=1465
+  _globals['_COLLECTIVE']._serialized_end=1635
 # @@protoc_insertion_point(module_scope)

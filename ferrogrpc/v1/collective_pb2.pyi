@@ -15,6 +15,9 @@ class CollectiveKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REDUCE_SCATTER: _ClassVar[CollectiveKind]
     BROADCAST: _ClassVar[CollectiveKind]
     BARRIER: _ClassVar[CollectiveKind]
+    LINK: _ClassVar[CollectiveKind]
+    ALL_TO_ALL: _ClassVar[CollectiveKind]
+    P2P: _ClassVar[CollectiveKind]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -25,6 +28,10 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BFLOAT16: _ClassVar[DType]
     INT32: _ClassVar[DType]
     INT64: _ClassVar[DType]
+    UINT8: _ClassVar[DType]
+    INT8: _ClassVar[DType]
+    INT16: _ClassVar[DType]
+    BOOL: _ClassVar[DType]
 
 class ReduceOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -33,6 +40,10 @@ class ReduceOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEAN: _ClassVar[ReduceOp]
     MAX: _ClassVar[ReduceOp]
     MIN: _ClassVar[ReduceOp]
+    PRODUCT: _ClassVar[ReduceOp]
+    BAND: _ClassVar[ReduceOp]
+    BOR: _ClassVar[ReduceOp]
+    BXOR: _ClassVar[ReduceOp]
 
 class ChecksumKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -45,6 +56,9 @@ ALL_GATHER: CollectiveKind
 REDUCE_SCATTER: CollectiveKind
 BROADCAST: CollectiveKind
 BARRIER: CollectiveKind
+LINK: CollectiveKind
+ALL_TO_ALL: CollectiveKind
+P2P: CollectiveKind
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT64: DType
@@ -52,17 +66,25 @@ FLOAT16: DType
 BFLOAT16: DType
 INT32: DType
 INT64: DType
+UINT8: DType
+INT8: DType
+INT16: DType
+BOOL: DType
 REDUCE_OP_UNSPECIFIED: ReduceOp
 SUM: ReduceOp
 MEAN: ReduceOp
 MAX: ReduceOp
 MIN: ReduceOp
+PRODUCT: ReduceOp
+BAND: ReduceOp
+BOR: ReduceOp
+BXOR: ReduceOp
 CHECKSUM_NONE: ChecksumKind
 CHECKSUM_CRC32C: ChecksumKind
 CHECKSUM_CRC32: ChecksumKind
 
 class Descriptor(_message.Message):
-    __slots__ = ("kind", "dtype", "numel", "reduce_op", "root", "world_size", "lanes", "chunk_elems", "checksum")
+    __slots__ = ("kind", "dtype", "numel", "reduce_op", "root", "world_size", "lanes", "chunk_elems", "checksum", "wire_dtype")
     KIND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +94,7 @@ class Descriptor(_message.Message):
     LANES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_ELEMS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     kind: CollectiveKind
     dtype: DType
     numel: int
@@ -81,7 +104,8 @@ class Descriptor(_message.Message):
     lanes: int
     chunk_elems: int
     checksum: ChecksumKind
-    def __init__(self, kind: _Optional[_Union[CollectiveKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., root: _Optional[int] = ..., world_size: _Optional[int] = ..., lanes: _Optional[int] = ..., chunk_elems: _Optional[int] = ..., checksum: _Optional[_Union[ChecksumKind, str]] = ...) -> None: ...
+    wire_dtype: DType
+    def __init__(self, kind: _Optional[_Union[CollectiveKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., root: _Optional[int] = ..., world_size: _Optional[int] = ..., lanes: _Optional[int] = ..., chunk_elems: _Optional[int] = ..., checksum: _Optional[_Union[ChecksumKind, str]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
     __slots__ = ("group", "seq", "kind", "step", "src_rank", "chunk_index", "lane", "offset", "checksum", "has_checksum", "descriptor", "nonce", "abort")
@@ -130,7 +154,7 @@ class StreamAck(_message.Message):
     def __init__(self, chunks: _Optional[int] = ...) -> None: ...
 
 class Abort(_message.Message):
-    __slots__ = ("group", "seq", "from_rank", "error", "message", "culprit", "nonce")
+    __slots__ = ("group", "seq", "from_rank", "error", "message", "culprit", "nonce", "refused")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     FROM_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +162,7 @@ class Abort(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CULPRIT_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     group: int
     seq: int
     from_rank: int
@@ -145,7 +170,8 @@ class Abort(_message.Message):
     message: str
     culprit: int
     nonce: str
-    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., from_rank: _Optional[int] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., culprit: _Optional[int] = ..., nonce: _Optional[str] = ...) -> None: ...
+    refused: bool
+    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., from_rank: _Optional[int] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., culprit: _Optional[int] = ..., nonce: _Optional[str] = ..., refused: _Optional[bool] = ...) -> None: ...
 
 class AbortAck(_message.Message):
     __slots__ = ()

@@ -8,30 +8,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("address", "requested_rank", "peer_id", "nonce")
+    __slots__ = ("address", "requested_rank", "peer_id", "nonce", "host")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_RANK_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     address: str
     requested_rank: int
     peer_id: str
     nonce: str
-    def __init__(self, address: _Optional[str] = ..., requested_rank: _Optional[int] = ..., peer_id: _Optional[str] = ..., nonce: _Optional[str] = ...) -> None: ...
+    host: str
+    def __init__(self, address: _Optional[str] = ..., requested_rank: _Optional[int] = ..., peer_id: _Optional[str] = ..., nonce: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("rank", "world_size", "addresses", "run_id", "nonces")
+    __slots__ = ("rank", "world_size", "addresses", "run_id", "nonces", "hosts")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     NONCES_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     addresses: _containers.RepeatedScalarFieldContainer[str]
     run_id: str
     nonces: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., run_id: _Optional[str] = ..., nonces: _Optional[_Iterable[str]] = ...) -> None: ...
+    hosts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., run_id: _Optional[str] = ..., nonces: _Optional[_Iterable[str]] = ..., hosts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("rank", "run_id", "collective", "seq")

@@ -52,6 +52,31 @@ def reference(opt_name: str, steps: int = STEPS, **kw: object) -> MLP:
     return model
 
 
+def reference_grads(step: int = 0, **kw: object) -> dict[str, torch.Tensor]:
+    """Single-process gradients of the whole batch of ``step`` at the initial
+    parameters: what the first sync must leave in every rank's ``.grad``."""
+    model = make_model(**kw)
+    x, y = batch(step)
+    nn.functional.mse_loss(model(x), y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_first_grads(module: nn.Module, what: object, **kw: object) -> None:
+    """The averaged gradients themselves, checked after the first sync. An
+    equivalence check on Adam's results alone cannot see a wrong scale:
+    Adam divides the gradient by its own running magnitude, so gradients x2
+    move its parameters by ~4e-6, under the 1e-5 tolerance."""
+    expected = reference_grads(**kw)
+    for name, p in module.named_parameters():
+        want = expected.get(name)
+        if want is None:
+            assert p.grad is None, (what, name, "has a gradient no rank produced")
+            continue
+        assert p.grad is not None, (what, name, "has no gradient after sync")
+        diff = float((p.grad - want).abs().max())
+        assert diff <= 1e-12, ("averaged gradient differs", what, name, diff)
+
+
 def my_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     per = BATCH // world
     return t[rank * per : (rank + 1) * per]
@@ -75,6 +100,8 @@ def train_ddp(
             ddp.overlapped_sync_gradients()
         else:
             ddp.sync_gradients()
+        if step == 0:
+            check_first_grads(ddp.module, (opt_name, bucket, overlap, overlapped_sync))
         opt.step()
     return ddp
 
@@ -132,18 +159,25 @@ def main() -> None:
 
     # 3. Unused parameters: a globally unused one keeps .grad None (Adam then
     # matches single-process training exactly); one used on rank 0 only gets
-    # the same mean on every rank.
-    ddp = train_ddp_unused = fg.DDP(make_model(with_unused=True), backend, bucket_size_bytes=1024)
-    opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
-    for step in range(STEPS):
-        x, y = batch(step)
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(my_slice(x, rank, world)), my_slice(y, rank, world)).backward()
-        ddp.sync_gradients()
-        unused = train_ddp_unused.module.unused
-        assert unused is not None and unused.weight.grad is None
-        opt.step()
-    assert max_diff(ddp.module, reference("adam", with_unused=True)) <= TOL
+    # the same mean on every rank. With SGD too, which a wrong scale of the
+    # used parameters' gradients cannot hide from; and the gradients
+    # themselves after the first sync.
+    for opt_name in ("adam", "sgd"):
+        ddp = fg.DDP(make_model(with_unused=True), backend, bucket_size_bytes=1024)
+        opt = make_opt(opt_name, ddp.parameters())
+        for step in range(STEPS):
+            x, y = batch(step)
+            opt.zero_grad()
+            out = ddp(my_slice(x, rank, world))
+            nn.functional.mse_loss(out, my_slice(y, rank, world)).backward()
+            ddp.sync_gradients()
+            unused = ddp.module.unused
+            assert unused is not None and unused.weight.grad is None
+            if step == 0:
+                check_first_grads(ddp.module, ("unused", opt_name), with_unused=True)
+            opt.step()
+        diff = max_diff(ddp.module, reference(opt_name, with_unused=True))
+        assert diff <= TOL, ("unused", opt_name, diff)
     sometimes = make_model(with_unused=True)
     ddp = fg.DDP(sometimes, backend)
     x, y = batch(0)

@@ -29,11 +29,14 @@ def main() -> None:
     t = torch.ones(16 << 20)  # 64 MiB float32
     backend.all_reduce(t)  # a full one first: every connection is up
     if rank == victim:
-        stats = backend.peer.stats
+        stats = fg.testing.stats(backend)
+
+        def moved() -> int:
+            return stats.bytes_received + stats.bytes_local
 
         def strike() -> None:
-            start = stats.bytes_received
-            while stats.bytes_received - start < (8 << 20):
+            start = moved()
+            while moved() - start < (8 << 20):
                 time.sleep(0.001)
             with open(os.path.join(outdir, "fault_time"), "w") as f:
                 f.write(repr(time.time()))

@@ -1,6 +1,7 @@
 """A rank program: the extra peak RSS of this process's first all_reduces of
-a large float32 tensor over the RSS just before them, and the number of
-glibc malloc arenas afterwards. Prints ``PEAK_EXTRA <bytes>``, ``ARENAS
+a large float32 tensor over the RSS just before them, the shared memory it
+mapped meanwhile, and the number of glibc malloc arenas afterwards. Prints
+``PEAK_EXTRA <bytes>``, ``SHARED <bytes>``, ``PATH <data path>``, ``ARENAS
 <n>`` and OK once the results are checked."""
 
 from __future__ import annotations
@@ -28,6 +29,16 @@ def arenas() -> int:
         return open(tmp.name).read().count("<heap nr=")
 
 
+def rss_shmem() -> int:
+    """Resident shared memory of this process: the same-host plane's
+    segments it has touched (its own and its peers')."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def main() -> None:
     numel = int(sys.argv[1]) // 4
     calls = int(sys.argv[2])
@@ -38,7 +49,7 @@ def main() -> None:
         # float32, so the result is checked exactly.
         t = torch.full((numel,), float(rank + 1))
         backend.barrier()
-        base = fg.testing.rss()
+        base, shared = fg.testing.rss(), rss_shmem()
 
         def run() -> None:
             for _ in range(calls):
@@ -48,6 +59,8 @@ def main() -> None:
         expected = float(world * (world + 1) // 2 * world ** (calls - 1))
         assert bool(t.eq(expected).all()), (rank, t[:4], expected)
         print(f"PEAK_EXTRA {peak - base}", flush=True)
+        print(f"SHARED {rss_shmem() - shared}", flush=True)
+        print(f"PATH {backend.data_path}", flush=True)
         print(f"ARENAS {arenas()}", flush=True)
     print(f"OK rank {rank}/{world}", flush=True)
 

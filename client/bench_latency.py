@@ -1,0 +1,193 @@
+"""Latency benchmark: small collectives against gloo, same run
+(``ferrogrpc bench --latency``).
+
+For all_reduce and all_gather from 4 B to 1 MiB, and barrier: the median
+time over interleaved iterations (the slowest rank's), for gloo, ferrogrpc's
+same-host path (shared memory, the default on one machine) and its gRPC
+path (``FERROGRPC_SHM=0``), each as a ratio to gloo's. Then a bandwidth
+line: a 64 MiB float32 all_reduce over gRPC with ``wire_dtype=bfloat16``
+against float32. Every result is checked whole.
+
+    python -m client.bench_latency --world-sizes 2 4 --iters 41
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from client.bench import _measure, collect, fmt_size, parse_size
+from ferrogrpc.launch import free_port, spawn_ranks
+
+IMPLS = ("gloo", "shm", "grpc")
+SIZES = ["4", "64", "1K", "16K", "64K", "256K", "1M"]
+WIRE_BYTES = 64 << 20
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import ferrogrpc as fg
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{args.gloo_port}", rank=rank, world_size=world
+    )
+    backends = {
+        "shm": fg.init_backend(),
+        "grpc": fg.init_backend(shm=False, master_port=args.grpc_port),
+    }
+    rows: list[dict[str, Any]] = []
+    checks: list[bool] = []
+
+    def ops_for(op: str, size: int) -> dict[str, Callable[[], Any]]:
+        n = max(1, size // 4)
+        if op == "barrier":
+            return {
+                "gloo": dist.barrier,
+                "shm": backends["shm"].barrier,
+                "grpc": backends["grpc"].barrier,
+            }
+        t = {impl: torch.full((n,), float(rank + 1)) for impl in IMPLS}
+        if op == "all_reduce":
+            expected = float(world * (world + 1) // 2)
+
+            def reduce(impl: str) -> Callable[[], Any]:
+                def run() -> None:
+                    t[impl].fill_(float(rank + 1))
+                    if impl == "gloo":
+                        dist.all_reduce(t[impl])
+                    else:
+                        backends[impl].all_reduce(t[impl])
+                    checks.append(bool(t[impl].eq(expected).all()))
+
+                return run
+
+            return {impl: reduce(impl) for impl in IMPLS}
+        out = {impl: torch.empty(world * n) for impl in IMPLS}
+        reference = torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(n)
+
+        def gather(impl: str) -> Callable[[], Any]:
+            def run() -> None:
+                if impl == "gloo":
+                    dist.all_gather_into_tensor(out[impl], t[impl])
+                else:
+                    backends[impl].all_gather_into_tensor(out[impl], t[impl])
+                checks.append(bool(out[impl].eq(reference).all()))
+
+            return run
+
+        return {impl: gather(impl) for impl in IMPLS}
+
+    cases = [("all_reduce", s) for s in args.sizes] + [("all_gather", s) for s in args.sizes]
+    cases.append(("barrier", 0))
+    for op, size in cases:
+        times = _measure(ops_for(op, size), dist.barrier, args.iters, args.warmup)
+        rows.append({"op": op, "size": size, "times": times})
+    # Bandwidth with a wire dtype, over gRPC.
+    grpc = backends["grpc"]
+    big = {w: torch.ones(WIRE_BYTES // 4) for w in ("float32", "bfloat16")}
+
+    def wire_op(name: str) -> Callable[[], None]:
+        def run() -> None:
+            big[name].fill_(1.0)
+            grpc.all_reduce(big[name], wire_dtype=None if name == "float32" else torch.bfloat16)
+            checks.append(bool(big[name].eq(float(world)).all()))
+
+        return run
+
+    wire_times = _measure({w: wire_op(w) for w in big}, dist.barrier, args.wire_iters, 1)
+    result = {"rows": rows, "wire": wire_times, "ok": all(checks)}
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        print("RESULT " + json.dumps(gathered), flush=True)
+    for b in backends.values():
+        b.close()
+    dist.destroy_process_group()
+
+
+def _size(n: int) -> str:
+    return fmt_size(n) if n >= 1024 else f"{n} B"
+
+
+def report(world: int, per_rank: list[dict[str, Any]]) -> str:
+    iters = len(per_rank[0]["rows"][0]["times"]["gloo"])
+    lines = [
+        f"# latency, world_size {world}, median of {iters} interleaved iterations "
+        "(time = slowest rank), ms; x = time / gloo's",
+        f"{'op':>10} {'size':>8} {'gloo':>8} | {'shm':>8} {'x':>6} | {'grpc':>8} {'x':>6}",
+    ]
+    for i, row in enumerate(per_rank[0]["rows"]):
+        med = {}
+        for impl in IMPLS:
+            slowest = [max(r["rows"][i]["times"][impl][k] for r in per_rank) for k in range(iters)]
+            med[impl] = statistics.median(slowest) * 1e3
+        size = (
+            ""
+            if row["op"] == "barrier"
+            else fmt_size(row["size"])
+            if row["size"] >= 1024
+            else f"{row['size']} B"
+        )
+        lines.append(
+            f"{row['op']:>10} {size:>8} {med['gloo']:8.3f} | {med['shm']:8.3f} "
+            f"{med['shm'] / med['gloo']:6.2f} | {med['grpc']:8.3f} {med['grpc'] / med['gloo']:6.2f}"
+        )
+    wire = {}
+    for name in ("float32", "bfloat16"):
+        count = len(per_rank[0]["wire"][name])
+        wire[name] = statistics.median(
+            max(r["wire"][name][k] for r in per_rank) for k in range(count)
+        )
+    lines.append(
+        f"# all_reduce 64 MiB float32 over gRPC: float32 {wire['float32'] * 1e3:.1f} ms, "
+        f"wire_dtype=bfloat16 {wire['bfloat16'] * 1e3:.1f} ms "
+        f"({wire['bfloat16'] / wire['float32']:.2f} x); results "
+        f"{'ok' if all(r['ok'] for r in per_rank) else 'WRONG'}"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument(
+        "--sizes", type=parse_size, nargs="+", default=[parse_size(s) for s in SIZES]
+    )
+    parser.add_argument("--iters", type=int, default=41)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--wire-iters", type=int, default=7)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--gloo-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--grpc-port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    print(f"ferrogrpc bench --latency: {os.cpu_count()} CPUs", flush=True)
+    failed = False
+    for world in args.world_sizes:
+        cmd = [sys.executable, "-m", "client.bench_latency", "--worker"]
+        cmd += ["--gloo-port", str(free_port()), "--grpc-port", str(free_port())]
+        cmd += ["--iters", str(args.iters), "--warmup", str(args.warmup)]
+        cmd += ["--wire-iters", str(args.wire_iters), "--sizes", *map(str, args.sizes)]
+        per_rank = collect(spawn_ranks(world, cmd, OMP_NUM_THREADS="1"), args.timeout, "latency")
+        text = report(world, list(per_rank))
+        print(text, flush=True)
+        failed |= "WRONG" in text
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

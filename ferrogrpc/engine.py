@@ -1,0 +1,161 @@
+"""The engine: runs one collective's lanes under its deadline, and hands a
+failure to the failure policy to decide what it raises."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from .descriptor import build_plans
+from .errors import FerroGrpcError, PeerError
+from .hierarchy import HierRunner
+from .jobs import Job, JobTable
+from .lane import LaneContext, LaneRunner
+from .local import LocalPlane
+from .localalgo import LocalRunner
+from .small import Links, SmallRunner, is_small
+from .topology import Topology
+from .v1 import collective_pb2 as pb
+
+
+class Engine:
+    """Executes jobs on one rank. ``ctx`` is what every lane gets; ``jobs``
+    the table the jobs were numbered in; ``check_open()`` raises when the
+    rank can run no more collectives (closed, or broken)."""
+
+    def __init__(
+        self,
+        ctx: LaneContext,
+        jobs: JobTable,
+        check_open: Callable[[], None],
+        topology: Topology | None = None,
+        plane: LocalPlane | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.jobs = jobs
+        self._check_open = check_open
+        self.topology = topology or Topology.flat(ctx.identity.world_size)
+        self.plane = plane
+        self.links = Links(ctx)
+
+    def uses_plane(self, descriptor: pb.Descriptor, itemsize: int) -> bool:
+        """Whether a collective would go through this rank's shared segments,
+        which collectives take in turns (JobTable.turn)."""
+        if descriptor.kind == pb.ALL_TO_ALL:
+            return False
+        return self.plane is not None and not is_small(descriptor, itemsize)
+
+    def _runner(self, job: Job) -> Callable[[], Coroutine[Any, Any, None]]:
+        """How ``job`` runs: in one exchange if it is small; among one host's
+        ranks through shared memory; in two levels when several hosts have
+        several ranks; else as rings over the transport. Every rank picks
+        alike: the topology is the same everywhere."""
+        me, topo = self.ctx.identity, self.topology
+        if job.kind == pb.ALL_TO_ALL or is_small(job.descriptor, job.buffer.element_size()):
+            return SmallRunner(self.ctx, self.links, self.plane, topo.local(me.rank), job).run
+        if self.plane is not None and topo.single_host:
+            return LocalRunner(self.ctx, self.jobs, self.plane, topo.local(me.rank), job).run
+        if topo.shares_memory and not topo.single_host:
+            return HierRunner(self.ctx, self.jobs, self.plane, topo, job).run
+        plans = build_plans(job.descriptor, me.rank, me.world_size)
+        runners = [LaneRunner(self.ctx, job, lane, plan) for lane, plan in enumerate(plans)]
+        return lambda: _run_all(runners)
+
+    async def execute(self, job: Job) -> None:
+        """Run ``job`` to completion; raise what the failure policy decides
+        if it fails. The job leaves the table either way. It first raises if
+        the rank closed or broke since the job took its sequence number (a
+        chained DDP bucket behind a failed one)."""
+        try:
+            self._check_open()
+        except FerroGrpcError:
+            await self._release(job)
+            raise
+        refusal = self.ctx.failure.refusal(job.name, job.seq)
+        if refusal is not None:  # some rank refused it before it started here
+            await self._release(job)
+            raise refusal
+        try:
+            await self._supervise(job, self._runner(job))
+        finally:
+            await self._release(job)
+            self.ctx.stats.collectives += 1
+
+    async def point_to_point(self, job: Job, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run a send or receive (``job`` names it; it takes no sequence
+        number) under the same deadline and failure policy as a collective."""
+        self._check_open()
+        self.jobs.track(job)
+        try:
+            await self._supervise(job, run)
+        finally:
+            self.jobs.untrack(job)
+
+    async def _supervise(self, job: Job, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        ctx = self.ctx
+        failure = ctx.failure
+        job.task = asyncio.ensure_future(run())
+        deadline_s = ctx.timeouts.collective
+        try:
+            async with asyncio.timeout(deadline_s) as deadline:
+                await job.task
+                if job.stage is not None:
+                    await job.stage.finish()
+        except asyncio.CancelledError:
+            if job.error is not None:
+                raise job.error from None
+            raise
+        except TimeoutError as exc:
+            if isinstance(exc, FerroGrpcError) or not deadline.expired():
+                raise
+            raise failure.deadline_passed(job.name, job.seq, deadline_s) from None
+        except FerroGrpcError as exc:
+            raise await failure.settle(exc, job.name, job.seq) from exc.__cause__
+        except BaseExceptionGroup as group:
+            err = _first_ferro(group) or ctx.identity.error(
+                PeerError, f"internal failure: {group!r}", op=job.name, seq=job.seq
+            )
+            raise await failure.settle(err, job.name, job.seq) from group
+
+    async def _release(self, job: Job) -> None:
+        if job.stage is not None and not job.stage.finished:
+            await job.stage.abandon()
+        self.jobs.finish(job)
+        refusal = self.jobs.refused(job.seq)
+        if refusal is not None:
+            self._forget(job.seq, refusal)
+
+    def refused(self, errors: Sequence[FerroGrpcError]) -> None:
+        """This rank refused these collectives (its own argument checks
+        failed; the job table already numbered them): tell every rank, and
+        drop what arrives for them. On the loop."""
+        for err in errors:
+            assert err.seq is not None
+            self._forget(err.seq, err)
+            self.ctx.failure.tell_refusal(err)
+
+    def _forget(self, seq: int, err: FerroGrpcError) -> None:
+        self.ctx.mailboxes.drop_seq(self.ctx.group, seq, err)
+        if self.plane is not None:
+            self.plane.forget(seq)
+
+
+async def _run_all(runners: list[LaneRunner]) -> None:
+    if len(runners) == 1:
+        await runners[0].run()
+        return
+    async with asyncio.TaskGroup() as tg:
+        for runner in runners:
+            tg.create_task(runner.run())
+
+
+def _first_ferro(group: BaseExceptionGroup[BaseException]) -> FerroGrpcError | None:
+    for exc in group.exceptions:
+        if isinstance(exc, FerroGrpcError):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            found = _first_ferro(exc)
+            if found is not None:
+                return found
+    return None

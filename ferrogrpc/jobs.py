@@ -1,0 +1,229 @@
+"""One record per collective in flight, and the table that numbers them.
+
+A :class:`Job` is created when a collective is *called* (on the caller's
+thread: that is when it takes its sequence number) and lives in the
+:class:`JobTable` until it has finished, failed, or been abandoned. The
+stream intake asks the table whether a sequence number is still expected;
+the failure policy cancels the running ones through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from .errors import FerroGrpcError
+from .ops import ReduceOp
+from .staging import Stage
+from .v1 import collective_pb2 as pb
+
+E = TypeVar("E", bound=FerroGrpcError)
+
+# Refused sequence numbers remembered (see JobTable.refuse): far more than can
+# be in flight at once.
+REFUSALS_KEPT = 1024
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One collective as this rank sees it."""
+
+    seq: int
+    name: str
+    descriptor: pb.Descriptor
+    # The flat tensor the ring reads from and (in place) writes to.
+    buffer: torch.Tensor
+    op: ReduceOp
+    # For out-of-place reduce-scatter: where the finished segment goes, and the
+    # element offset of that segment in ``buffer``.
+    out: torch.Tensor | None = None
+    out_offset: int = 0
+    # Device staging (see staging.py), or None for host tensors.
+    stage: Stage | None = None
+    # The dtype its chunks travel in over gRPC, if narrower than buffer's.
+    wire: torch.dtype | None = None
+    # For all_to_all: the elements this rank sends to each rank, and those it
+    # receives from each.
+    splits: tuple[list[int], list[int]] | None = None
+    # The task running its lanes, once it runs; and the error it was
+    # cancelled with from outside (another rank's report, close()).
+    task: asyncio.Task[Any] | None = None
+    error: FerroGrpcError | None = None
+    # Whether it must take its turn (see JobTable.turn).
+    ordered: bool = False
+
+    @property
+    def kind(self) -> int:
+        return self.descriptor.kind
+
+    def cancel(self, err: FerroGrpcError) -> None:
+        """Stop it running, to raise ``err``; nothing if it is not running."""
+        if self.error is None and self.task is not None and not self.task.done():
+            self.error = err
+            self.task.cancel()
+
+
+@dataclasses.dataclass
+class Stats:
+    """Bytes this peer moved, for throughput reports: over the transport
+    (sent, received), and read from other ranks' shared segments (local)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_local: int = 0
+    collectives: int = 0
+
+
+class JobTable:
+    """Sequence numbers and the jobs holding them. Thread-safe for
+    :meth:`add` (callers' threads); everything else runs on the loop."""
+
+    def __init__(self, world_size: int) -> None:
+        self._world = world_size
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._jobs: dict[int, Job] = {}
+        # Sequence numbers of ordered jobs not finished yet, in call order,
+        # and the waiter of each (see turn()).
+        self._ordered: collections.deque[int] = collections.deque()
+        self._turns: dict[int, asyncio.Future[None]] = {}
+        # Point-to-point operations running: no sequence number of the
+        # group's, but stopped like the collectives when the rank breaks.
+        self._untracked: set[Job] = set()
+        # Collectives refused by some rank's argument checks, by seq: this
+        # rank's own (refuse()) and other ranks' (note_refusal()).
+        self._refused: collections.OrderedDict[int, FerroGrpcError] = collections.OrderedDict()
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    def add(
+        self,
+        name: str,
+        descriptor: pb.Descriptor,
+        buffer: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        out: torch.Tensor | None = None,
+        out_offset: int = 0,
+        ordered: bool = False,
+        wire: torch.dtype | None = None,
+    ) -> Job:
+        """A new job with the next sequence number. A group of one runs no
+        ring, so its jobs are not tracked. An ``ordered`` job runs only once
+        every ordered job called before it has finished (see turn())."""
+        with self._lock:
+            seq = self._seq + 1
+            job = Job(
+                seq, name, descriptor, buffer, op, out, out_offset, ordered=ordered, wire=wire
+            )
+            # Registered before the new seq is visible: the intake reads _seq
+            # without the lock and must never see a seq that is not tracked.
+            if self._world > 1:
+                self._jobs[seq] = job
+                if ordered:
+                    self._ordered.append(seq)
+            self._seq = seq
+        return job
+
+    async def turn(self, seq: int) -> None:
+        """Return once ``seq`` is the oldest unfinished ordered job: jobs that
+        share one resource (a host's shared segments) take turns in call
+        order, which is the same order on every rank."""
+        with self._lock:
+            head = self._ordered[0] if self._ordered else None
+        if head == seq:
+            return
+        fut = self._turns[seq] = asyncio.get_running_loop().create_future()
+        try:
+            await fut
+        finally:
+            self._turns.pop(seq, None)
+
+    def refuse(self, make_error: Callable[[int], E], count: int = 1) -> list[E]:
+        """Take the next ``count`` sequence numbers for a call that this
+        rank's own argument checks refused, and remember each as refused
+        with ``make_error(seq)``. Atomic with the numbering: the intake never
+        sees such a seq taken but not yet known as refused."""
+        with self._lock:
+            errors = []
+            for _ in range(count):
+                seq = self._seq + 1
+                err = make_error(seq)
+                self._remember(seq, err)
+                self._seq = seq
+                errors.append(err)
+        return errors
+
+    def note_refusal(self, seq: int, err: FerroGrpcError) -> bool:
+        """Another rank refused collective ``seq`` (``err`` says so): remember
+        it, and stop this rank's job for it if it is running. False if it was
+        already known."""
+        with self._lock:
+            if seq in self._refused:
+                return False
+            self._remember(seq, err)
+        job = self._jobs.get(seq)
+        if job is not None:
+            job.cancel(err)
+        return True
+
+    def _remember(self, seq: int, err: FerroGrpcError) -> None:
+        self._refused[seq] = err
+        while len(self._refused) > REFUSALS_KEPT:
+            self._refused.popitem(last=False)
+
+    def refused(self, seq: int) -> FerroGrpcError | None:
+        """Why collective ``seq`` was refused, if some rank refused it."""
+        return self._refused.get(seq)
+
+    def expects(self, seq: int) -> bool:
+        """Whether a stream for ``seq`` may still be consumed here."""
+        return seq > self._seq or seq in self._jobs
+
+    def running(self, seq: int) -> bool:
+        """Whether collective ``seq`` has started here and not finished."""
+        job = self._jobs.get(seq)
+        return job is not None and job.task is not None and not job.task.done()
+
+    def name_of(self, seq: int) -> str | None:
+        job = self._jobs.get(seq)
+        return job.name if job is not None else None
+
+    def finish(self, job: Job) -> None:
+        self._jobs.pop(job.seq, None)
+        if not job.ordered:
+            return
+        with self._lock:
+            if job.seq in self._ordered:
+                self._ordered.remove(job.seq)
+            head = self._ordered[0] if self._ordered else None
+        waiter = self._turns.get(head) if head is not None else None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def cancel_all(self, err: FerroGrpcError | Callable[[Job], FerroGrpcError]) -> None:
+        """Stop every running job, to raise ``err`` (or ``err(job)``)."""
+        for job in [*self._jobs.values(), *self._untracked]:
+            job.cancel(err(job) if callable(err) else err)
+
+    def track(self, job: Job) -> None:
+        """Count a point-to-point operation among the running ones."""
+        self._untracked.add(job)
+
+    def untrack(self, job: Job) -> None:
+        self._untracked.discard(job)
+
+    def current(self) -> tuple[str, int]:
+        """The oldest collective in flight, as (name, seq), or ("", last seq)."""
+        jobs = self._jobs
+        if jobs:
+            job = jobs[min(jobs)]
+            return job.name, job.seq
+        return "", self._seq

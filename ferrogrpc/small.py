@@ -1,0 +1,375 @@
+"""Small collectives in one exchange: every rank sends its data to every
+other rank, and each computes the result itself.
+
+Below ``SMALL_BYTES`` (and up to ``SMALL_WORLD`` ranks) a collective's cost
+is its latency, not its bytes: a ring needs ``2(n-1)`` steps, each a round of
+messages, while one exchange is a single round. A rank sends one message to
+each other rank (over the host's shared-memory sockets to ranks on its host,
+over its long-lived gRPC link to the others: no new stream per collective),
+receives one from each, and reduces the values in rank order, so every rank
+computes bitwise the same result. Every message carries the sender's
+descriptor, checked as a ring's stream is, and a checksum when it crosses
+gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import torch
+
+from . import integrity, schedule, wire
+from .descriptor import describe_mismatch
+from .errors import FerroGrpcError, Identity, ProtocolError
+from .jobs import Job
+from .lane import REDUCERS, LaneContext, bytes_view
+from .local import SMALL, LocalPlane, split_small
+from .ops import ReduceOp
+from .transport import OutStream
+from .v1 import collective_pb2 as pb
+from .watchdog import Watchdog
+
+# A collective of at most this many bytes, on at most this many ranks, runs
+# in one exchange.
+SMALL_BYTES = 256 << 10
+SMALL_WORLD = 16
+
+
+def is_small(desc: pb.Descriptor, itemsize: int) -> bool:
+    return desc.world_size <= SMALL_WORLD and desc.numel * itemsize <= SMALL_BYTES
+
+
+class Links:
+    """This rank's long-lived message links to other ranks over the
+    transport: one stream each, opened on first use and kept, whose first
+    message proves the sender (see intake.py)."""
+
+    def __init__(self, ctx: LaneContext) -> None:
+        self.ctx = ctx
+        self._streams: dict[int, OutStream] = {}
+        self._locks: dict[int, asyncio.Lock] = {}
+
+    async def send(self, dst: int, message: bytes) -> None:
+        lock = self._locks.get(dst)
+        if lock is None:
+            lock = self._locks[dst] = asyncio.Lock()
+        async with lock:  # one write at a time per stream
+            stream = self._streams.get(dst)
+            if stream is None:
+                ctx = self.ctx
+                stream = await ctx.transport.open(dst, 0)
+                hello = pb.ChunkHeader(
+                    group=ctx.group, kind=pb.LINK, src_rank=ctx.identity.rank, nonce=ctx.nonce
+                )
+                hello.descriptor.kind = pb.LINK
+                await stream.write(wire.encode(hello))
+                self._streams[dst] = stream
+            try:
+                await stream.write(message)
+            except BaseException:
+                self._streams.pop(dst, None)
+                stream.cancel()
+                raise
+
+    async def close(self, grace: float = 2.0) -> None:
+        """End every link, letting messages already written arrive first
+        (a peer may still need this rank's last one), for up to ``grace``."""
+        streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            try:
+                async with asyncio.timeout(grace):
+                    await stream.close()
+            except Exception:
+                pass  # best effort: the peer may be gone or failing
+            finally:
+                stream.cancel()
+
+
+class SmallRunner:
+    """Runs one small collective (see the module docstring)."""
+
+    def __init__(
+        self,
+        ctx: LaneContext,
+        links: Links,
+        plane: LocalPlane | None,
+        local: Sequence[int],
+        job: Job,
+    ) -> None:
+        self.ctx = ctx
+        self.links = links
+        self.plane = plane
+        self.local = set(local) if plane is not None else set()
+        self.job = job
+        me = ctx.identity
+        self.me = me
+        self.watch = Watchdog(me, ctx.transport, ctx.timeouts.idle, job.name, job.seq)
+        self.desc = job.descriptor.SerializeToString()
+        # Messages over gRPC go in parts of at most a chunk.
+        self.part = max(1, job.descriptor.chunk_elems) * job.buffer.element_size()
+        # A wire dtype applies where bytes cross gRPC: then every rank's
+        # contribution is rounded to it, its own and its host's included, so
+        # that every rank reduces the same values.
+        all_local = plane is not None and len(self.local) == me.world_size
+        self.wire = None if all_local else job.wire
+
+    async def run(self) -> None:
+        job, ctx = self.job, self.ctx
+        try:
+            await self.watch.guard(self._main())
+        except BaseException as exc:
+            if self.plane is not None and self.local:
+                cause = ctx.failure.cause(exc, job.name, job.seq, self.watch.first_failure)
+                # No rounds here: a refusal leaves the plane as it was.
+                if not ctx.failure.plane_survives(cause, mid_round=False):
+                    self.plane.abort(ctx.failure.abort_message(cause))
+            raise
+
+    # ----------------------------------------------------------- messages
+
+    async def _send(self, dst: int, data: torch.Tensor) -> None:
+        if self.wire is not None:
+            data = data.to(self.wire)
+        view = bytes_view(data)
+        if dst in self.local:
+            assert self.plane is not None
+            self.plane.send_small(dst, self.job.seq, self.desc, view)
+            return
+        ctx, job = self.ctx, self.job
+        header = pb.ChunkHeader(group=ctx.group, seq=job.seq, src_rank=self.me.rank)
+        header.kind = job.kind  # type: ignore[assignment]
+        header.descriptor.CopyFrom(job.descriptor)
+        await send_parts(ctx, self.links, self.watch, dst, header, view, self.part)
+
+    def _mismatch(self, src: int, theirs: pb.Descriptor, what: str) -> FerroGrpcError:
+        found = describe_mismatch(self.job.descriptor, theirs, self.me.rank, src)
+        return self.me.error(
+            ProtocolError,
+            found or f"rank {src} {what}",
+            op=self.job.name,
+            seq=self.job.seq,
+            peer=src,
+        )
+
+    def _sizes(self, src: int, got: int, expected: int) -> FerroGrpcError:
+        return self._mismatch(
+            src,
+            self.job.descriptor,
+            f"sent {got} bytes for {self.job.name}#{self.job.seq}; this rank expected {expected}",
+        )
+
+    async def _receive(self, src: int, nbytes: int) -> memoryview:
+        job = self.job
+        what = f"{job.name}#{job.seq} from"
+        if src in self.local:
+            assert self.plane is not None
+            kind, payload = await self.watch.wait(
+                f"r{src}", src, what, self.plane.first(src, job.seq)
+            )
+            if kind != SMALL:
+                raise self._mismatch(
+                    src, pb.Descriptor.FromString(payload), "ran it through shared segments"
+                )
+            desc, data = split_small(payload)
+            if desc != self.desc:
+                raise self._mismatch(src, pb.Descriptor.FromString(desc), "disagrees")
+            if data.nbytes != nbytes:
+                raise self._sizes(src, data.nbytes, nbytes)
+            self.ctx.stats.bytes_local += data.nbytes
+            return data
+        ctx = self.ctx
+        parts = []
+        for part in range(max(1, -(-nbytes // self.part))):
+            key = (ctx.group, job.seq, part, src)
+            box = ctx.mailboxes.get(key)
+            try:
+                header, item = await self.watch.wait(
+                    f"r{src}", src, what, asyncio.shield(box.arrived)
+                )
+            finally:
+                ctx.mailboxes.drop(key)
+            if not isinstance(item, memoryview):
+                err = self._mismatch(src, header.descriptor, "ran it as a ring")
+                if not box.done.done():
+                    box.done.set_exception(err)  # fail its stream with the cause
+                    box.done.exception()
+                raise err
+            if header.descriptor != job.descriptor:
+                raise self._mismatch(src, header.descriptor, "disagrees")
+            size = min(self.part, nbytes - part * self.part)
+            if header.offset != nbytes or item.nbytes != max(size, 0):
+                raise self._sizes(src, header.offset, nbytes)
+            check_part(ctx, self.me, job.name, job.seq, src, header, item)
+            parts.append(item)
+        data = parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
+        ctx.stats.bytes_received += data.nbytes
+        return data
+
+    async def _exchange(
+        self, outgoing: dict[int, torch.Tensor], expect: dict[int, int]
+    ) -> dict[int, memoryview]:
+        """Send ``outgoing[r]`` to every other rank r and receive ``expect[r]``
+        bytes from each; return what each sent. Ranks on this host are sent to
+        at once (a socket write); a failed gRPC send fails the exchange at
+        once, like a failed receive."""
+        got: dict[int, memoryview] = {}
+
+        async def receive(src: int) -> None:
+            got[src] = await self._receive(src, expect[src])
+
+        remote = [dst for dst in outgoing if dst not in self.local]
+        for dst in outgoing:
+            if dst in self.local:
+                await self._send(dst, outgoing[dst])
+        async with asyncio.TaskGroup() as tg:
+            for dst in remote:
+                tg.create_task(self._send(dst, outgoing[dst]))
+            for src in outgoing:
+                tg.create_task(receive(src))
+        return got
+
+    # --------------------------------------------------------- algorithms
+
+    async def _main(self) -> None:
+        job, me = self.job, self.me
+        buf, stage, kind = job.buffer, job.stage, job.kind
+        n, world, rank = buf.numel(), me.world_size, me.rank
+        others = [r for r in range(world) if r != rank]
+        dtype = self.wire if self.wire is not None else buf.dtype
+        item = dtype.itemsize
+        if stage is not None:
+            await stage.ready(0, n)
+        mine = buf
+        if self.wire is not None:
+            mine = buf.to(self.wire).to(buf.dtype)
+        if kind in (pb.ALL_REDUCE, pb.BARRIER):
+            got = await self._exchange({r: buf for r in others}, dict.fromkeys(others, n * item))
+            if kind == pb.ALL_REDUCE:
+                values = [
+                    mine if r == rank else _tensor(got[r], dtype, buf.dtype) for r in range(world)
+                ]
+                buf.copy_(_reduce(values, job.op, world))
+        elif kind == pb.BROADCAST:
+            root = job.descriptor.root
+            empty = buf[:0]
+            outgoing = {r: buf if rank == root else empty for r in others}
+            got = await self._exchange(outgoing, {r: n * item if r == root else 0 for r in others})
+            if rank != root:
+                buf.copy_(_tensor(got[root], dtype, buf.dtype))
+        elif kind == pb.ALL_GATHER:
+            m = n // world
+            own = buf[rank * m : (rank + 1) * m]
+            got = await self._exchange(dict.fromkeys(others, own), dict.fromkeys(others, m * item))
+            if self.wire is not None:
+                own.copy_(own.to(self.wire))  # as every other rank gets it
+            for r, data in got.items():
+                buf[r * m : (r + 1) * m].copy_(_tensor(data, dtype, buf.dtype))
+        elif kind == pb.REDUCE_SCATTER:
+            assert job.out is not None
+            bounds = schedule.split_bounds(0, n, world)
+            lo, hi = bounds[rank]
+            got = await self._exchange(
+                {r: buf[bounds[r][0] : bounds[r][1]] for r in others},
+                dict.fromkeys(others, (hi - lo) * item),
+            )
+            values = [
+                mine[lo:hi] if r == rank else _tensor(got[r], dtype, buf.dtype)
+                for r in range(world)
+            ]
+            job.out.copy_(_reduce(values, job.op, world))
+            if stage is not None:
+                stage.final(lo, hi)
+            return
+        elif kind == pb.ALL_TO_ALL:
+            await self._all_to_all(others, dtype)
+            return
+        if stage is not None:
+            stage.final(0, n)
+
+    async def _all_to_all(self, others: list[int], dtype: torch.dtype) -> None:
+        job, rank = self.job, self.me.rank
+        assert job.out is not None and job.splits is not None
+        ins, outs = job.splits
+        at_in = [sum(ins[:r]) for r in range(len(ins))]
+        at_out = [sum(outs[:r]) for r in range(len(outs))]
+        buf, out = job.buffer, job.out
+        got = await self._exchange(
+            {r: buf[at_in[r] : at_in[r] + ins[r]] for r in others},
+            {r: outs[r] * dtype.itemsize for r in others},
+        )
+        out[at_out[rank] : at_out[rank] + outs[rank]].copy_(
+            buf[at_in[rank] : at_in[rank] + ins[rank]]
+        )
+        for r, data in got.items():
+            out[at_out[r] : at_out[r] + outs[r]].copy_(_tensor(data, dtype, out.dtype))
+
+
+async def send_parts(
+    ctx: LaneContext,
+    links: Links,
+    watch: Watchdog,
+    dst: int,
+    header: pb.ChunkHeader,
+    view: memoryview,
+    part: int,
+) -> None:
+    """Send ``view`` to ``dst`` on its link, in parts of at most ``part``
+    bytes: each with ``header`` (its lane the part's index, its offset the
+    whole message's size) and, when enabled, the part's checksum."""
+    total = view.nbytes
+    header.offset = total
+    for index, lo in enumerate(range(0, max(total, 1), part)):
+        piece = view[lo : lo + part]
+        header.lane = index
+        if ctx.checksum is not None:
+            header.checksum = ctx.checksum(piece)
+            header.has_checksum = True
+        await watch.wait(
+            f"s{dst}",
+            dst,
+            "a message to be accepted by",
+            links.send(dst, wire.encode(header, piece)),
+        )
+    ctx.stats.bytes_sent += total
+
+
+def check_part(
+    ctx: LaneContext,
+    me: Identity,
+    op: str,
+    seq: int,
+    src: int,
+    header: pb.ChunkHeader,
+    item: memoryview,
+) -> None:
+    """Raise ProtocolError naming ``src`` if a received part fails its checksum."""
+    checksum = ctx.checksum
+    if checksum is not None and (not header.has_checksum or checksum(item) != header.checksum):
+        raise me.error(
+            ProtocolError,
+            f"the message from rank {src} ({me.address_of(src)}) failed its "
+            f"{integrity.checksum_name(checksum)} check: corrupted in flight; it was discarded",
+            op=op,
+            seq=seq,
+            peer=src,
+        )
+
+
+def _tensor(data: memoryview, dtype: torch.dtype, into: torch.dtype) -> torch.Tensor:
+    """Received bytes of ``dtype``, as ``into``."""
+    if not data.nbytes:
+        return torch.empty(0, dtype=into)
+    t = torch.frombuffer(data, dtype=dtype)
+    return t if dtype == into else t.to(into)
+
+
+def _reduce(values: list[torch.Tensor], op: ReduceOp, world: int) -> torch.Tensor:
+    """values[0] op values[1] op ... in rank order: the same bits on every rank."""
+    reduce = REDUCERS[op]
+    acc = values[0].clone()
+    for value in values[1:]:
+        reduce(acc, value, acc)
+    if op is ReduceOp.MEAN:
+        acc.div_(world)
+    return acc

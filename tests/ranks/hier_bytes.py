@@ -1,0 +1,56 @@
+"""A rank program for the multi-host test: all_reduces of a known size, and
+the bytes this rank's network namespace sent meanwhile (its interfaces'
+tx_bytes: ``ip netns exec`` shows the namespace's own /sys/class/net).
+Prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+import ferrogrpc as fg
+
+NUMEL = 4 << 20  # 16 MiB of float32
+ITERS = 4
+
+
+def tx_bytes() -> int:
+    total = 0
+    for dev in os.listdir("/sys/class/net"):
+        if dev != "lo":
+            with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as f:
+                total += int(f.read())
+    return total
+
+
+def main() -> None:
+    with fg.init_backend() as backend:
+        rank, world = backend.rank, backend.world_size
+        backend.all_reduce(torch.ones(NUMEL))  # every connection up
+        backend.barrier()
+        before = tx_bytes()
+        ok = True
+        for i in range(ITERS):
+            t = torch.full((NUMEL,), float(rank + i))
+            backend.all_reduce(t)
+            ok = ok and bool(t.eq(float(sum(range(world)) + world * i)).all())
+        backend.barrier()
+        sent = tx_bytes() - before
+        record = {
+            "rank": rank,
+            "world_size": world,
+            "path": backend.data_path,
+            "address": backend.address,
+            "tx_bytes": sent,
+            "payload_bytes": NUMEL * 4 * ITERS,
+            "ok": ok,
+        }
+        sys.stdout.write(json.dumps(record) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

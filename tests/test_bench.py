@@ -1,0 +1,67 @@
+"""The benchmark's ``ok`` column checks the whole result: a wrong element
+in the middle of the tensor, first and last right, is a ``NO``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from client.bench import result_ok
+from tests.helpers import ROOT, clean_env
+
+# Loaded by every Python process of the bench run below (sitecustomize on
+# PYTHONPATH): after each blocking ferrogrpc all_reduce of at least 16Ki
+# elements, one element in the middle of the result is off by one.
+CORRUPT_MIDDLE = """
+import ferrogrpc
+
+_all_reduce = ferrogrpc.Backend.all_reduce
+
+
+def all_reduce(self, tensor, *args, **kwargs):
+    result = _all_reduce(self, tensor, *args, **kwargs)
+    if not kwargs.get("async_op") and tensor.numel() >= 16384:
+        tensor[tensor.numel() // 2] += 1
+    return result
+
+
+ferrogrpc.Backend.all_reduce = all_reduce
+"""
+
+
+def test_result_ok_checks_every_element() -> None:
+    t = torch.full((1001,), 8.0)
+    assert result_ok(t, 8.0)
+    for wrong in (7.0, float("nan"), float("inf")):
+        t[500] = wrong
+        assert t[0].item() == t[-1].item() == 8.0
+        assert not result_ok(t, 8.0), wrong
+        t[500] = 8.0
+
+
+@pytest.mark.timeout(120)
+def test_bench_says_no_for_a_wrong_element_in_the_middle(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text(CORRUPT_MIDDLE)
+    env = clean_env()
+    env["PYTHONPATH"] = f"{tmp_path}:{ROOT}"
+    sizes = ["--world-sizes", "2", "--sizes", "4K", "64K"]
+    runs = ["--iters", "1", "--warmup", "0", "--timeout", "100"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "client.bench", *sizes, *runs],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    print(proc.stdout)
+    rows = {line.split()[0] + " " + line.split()[1]: line for line in proc.stdout.splitlines()}
+    assert "4 KiB" in rows and "64 KiB" in rows, proc.stdout + proc.stderr
+    # Untouched, and corrupted in the middle only.
+    assert rows["4 KiB"].rstrip().endswith(" yes"), f"expected yes: {rows['4 KiB']}"
+    assert rows["64 KiB"].rstrip().endswith(" NO"), f"expected NO: {rows['64 KiB']}"
+    assert proc.returncode == 1, proc.returncode

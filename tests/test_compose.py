@@ -1,0 +1,469 @@
+"""docker-compose.yml on a real Docker engine: the README's compose commands
+build the image from this checkout and run the coordinator and the rank
+replicas, each replica a container of its own (its own network namespace:
+to the others, another host).
+
+Needs a Docker engine, and Debian's docker-compose, which the README's test
+command installs; CI runs ../shared/scripts/docker-base.sh first, which
+starts the engine and provides the python:3.11-slim base image. Where no
+engine answers, these tests fail and say so: they are never skipped.
+
+Each run has a project name of its own (so its containers and network are
+its own) and is always taken down, even when the test fails. The image is
+tagged per checkout, so the build cache survives between runs and two
+checkouts never run each other's image.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import re
+import secrets
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from client.train import build_model, global_batch, make_optimizer
+from tests.helpers import ROOT
+
+README = ROOT / "README.md"
+RANKS = 4
+STEPS = 20  # docker-compose.yml's default FERROGRPC_STEPS
+BATCH, LR = 48, 0.01  # client.train's defaults
+COORDINATOR_PORT = 29400  # inside the compose network
+IMAGE = f"ferrogrpc-test:{hashlib.sha1(str(ROOT).encode()).hexdigest()[:12]}"
+BUILD_TIMEOUT_S = 420
+DOCKER_BASE = "../shared/scripts/docker-base.sh"
+CLI = [sys.executable, "-m", "ferrogrpc.cli"]
+Record = dict[str, object]
+
+
+def _readme_compose_commands() -> tuple[list[str], list[str]]:
+    """The build and up commands of the README's compose section, as argv."""
+    text = README.read_text()
+    marker = text.index("<!-- compose-commands -->")
+    block = text[marker:].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [shlex.split(line) for line in block.splitlines() if line.strip()]
+    assert len(commands) == 2, f"the README's compose block should be build, then up: {block}"
+    build, up = commands
+    assert build[-1:] == ["build"] and up[-3:] == ["up", "--scale", f"rank={RANKS}"], commands
+    assert build[:-1] == up[:-3], f"build and up must use the same compose: {commands}"
+    return build, up
+
+
+BUILD, UP = _readme_compose_commands()
+COMPOSE = BUILD[:-1]  # the compose program itself, for `port`, `down`
+
+
+def _run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 60) -> str:
+    """Run ``argv`` in the repository root; its stdout, or a failure with its output."""
+    proc = subprocess.run(
+        argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert proc.returncode == 0, f"{shlex.join(argv)} failed:\n{proc.stdout}{proc.stderr}"
+    return proc.stdout
+
+
+def _engine_problem() -> str | None:
+    """Why compose cannot run here, or None."""
+    for exe in ("docker", COMPOSE[0]):
+        if shutil.which(exe) is None:
+            return f"{exe} is not installed"
+    try:
+        proc = subprocess.run(
+            ["docker", "info", "--format", "{{.ServerVersion}}"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return "the Docker engine did not answer `docker info` within 30 s"
+    if proc.returncode != 0:
+        return f"no Docker engine answers ({(proc.stderr or proc.stdout).strip()})"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Image:
+    tag: str
+    build_seconds: float
+
+
+@pytest.fixture(scope="module")
+def image() -> Image:
+    """The README's build command, run once for this module."""
+    problem = _engine_problem()
+    if problem is not None:
+        pytest.fail(
+            f"the compose tests need a Docker engine: {problem}. Run {DOCKER_BASE} first "
+            "(CI does): it installs docker.io and docker-compose, starts dockerd and "
+            "provides the python:3.11-slim base image."
+        )
+    env = {**os.environ, "FERROGRPC_IMAGE": IMAGE}
+    start = time.monotonic()
+    proc = subprocess.run(
+        BUILD, cwd=ROOT, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+    )
+    if proc.returncode != 0:
+        base = subprocess.run(
+            ["docker", "image", "inspect", "python:3.11-slim"], capture_output=True, check=False
+        )
+        hint = (
+            f" (the base image python:3.11-slim is not here: {DOCKER_BASE} provides it)"
+            if base.returncode
+            else ""
+        )
+        pytest.fail(f"{shlex.join(BUILD)} failed{hint}:\n{proc.stdout[-6000:]}{proc.stderr}")
+    seconds = time.monotonic() - start
+    user = _run(["docker", "image", "inspect", "--format", "{{.Config.User}}", IMAGE]).strip()
+    assert user not in ("", "root", "0"), f"the image runs as root ({user!r})"
+    return Image(IMAGE, seconds)
+
+
+class Project:
+    """One compose project, started with the README's up command."""
+
+    def __init__(self, name: str, env: dict[str, str], log: Path) -> None:
+        self.name = name
+        self.env = env
+        self.log = log
+        self.up: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("wb") as out:
+            self.up = subprocess.Popen(
+                UP, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def output(self) -> str:
+        """What `up` printed so far (its tail), for failure messages."""
+        return self.log.read_text(errors="replace")[-8000:]
+
+    def containers(self, service: str) -> list[str]:
+        ids = _run(
+            [
+                "docker",
+                "ps",
+                "-aq",
+                "--filter",
+                f"label=com.docker.compose.project={self.name}",
+                "--filter",
+                f"label=com.docker.compose.service={service}",
+            ]
+        )
+        return ids.split()
+
+    def wait_for(
+        self, what: str, timeout: float, check: Callable[[], object], interval: float = 0.25
+    ) -> object:
+        """Poll ``check`` until it returns something true, failing after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = check()
+            if value:
+                return value
+            assert self.up is not None
+            if time.monotonic() > deadline or self.up.poll() is not None:
+                pytest.fail(
+                    f"{what}: not within {timeout:g}s. compose up printed:\n{self.output()}"
+                )
+            time.sleep(interval)
+
+    def leftovers(self) -> list[str]:
+        """Containers and networks of this project that still exist."""
+        found = []
+        for kind in ("ps", "network ls"):
+            found += _run(
+                [
+                    "docker",
+                    *kind.split(),
+                    "-q" if kind == "network ls" else "-aq",
+                    "--filter",
+                    f"label=com.docker.compose.project={self.name}",
+                ]
+            ).split()
+        return found
+
+    def down(self) -> None:
+        subprocess.run(
+            [*COMPOSE, "down", "-v", "--remove-orphans", "--timeout", "5"],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            timeout=120,
+            check=False,
+        )
+        if self.up is not None:
+            try:
+                self.up.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.up.kill()
+                self.up.wait()
+
+
+@contextlib.contextmanager
+def compose_project(image: Image, tmp_path: Path, **variables: str) -> Iterator[Project]:
+    """A project with a unique name, the coordinator's port published on a
+    port Docker picks, and ``variables`` for compose; always taken down."""
+    name = f"fgtest{os.getpid()}{secrets.token_hex(3)}"
+    env = {
+        **os.environ,
+        "COMPOSE_PROJECT_NAME": name,
+        "FERROGRPC_IMAGE": image.tag,
+        "FERROGRPC_PUBLISH_PORT": "0",
+        **variables,
+    }
+    project = Project(name, env, tmp_path / "compose-up.log")
+    ok = False
+    try:
+        yield project
+        ok = True
+    finally:
+        project.down()
+        left = project.leftovers()
+        if ok:  # on a failure, its own message matters more
+            assert not left, f"`down` left containers or networks of {name}: {left}"
+
+
+def _inspect(container: str) -> dict[str, object]:
+    data: list[dict[str, object]] = json.loads(_run(["docker", "inspect", container]))
+    return data[0]
+
+
+def _state(container: str) -> dict[str, object]:
+    state: dict[str, object] = _inspect(container)["State"]  # type: ignore[assignment]
+    return state
+
+
+def _logs(container: str, timestamps: bool = False) -> str:
+    proc = subprocess.run(
+        ["docker", "logs", *(["-t"] if timestamps else []), container],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    return proc.stdout + proc.stderr
+
+
+def _records(log: str) -> list[Record]:
+    return [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+
+
+def _joined(log: str) -> Record:
+    return next(r for r in _records(log) if r.get("event") == "joined")
+
+
+def _time(stamp: str) -> float:
+    """Docker's RFC 3339 time (nanoseconds) as seconds since the epoch."""
+    head, _, frac = stamp.rstrip("Z").partition(".")
+    whole = datetime.datetime.fromisoformat(head).replace(tzinfo=datetime.UTC)
+    return whole.timestamp() + float(f"0.{frac or 0}")
+
+
+def _published_port(project: Project) -> int:
+    def port() -> str:
+        proc = subprocess.run(
+            [*COMPOSE, "port", "coordinator", str(COORDINATOR_PORT)],
+            cwd=ROOT,
+            env=project.env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        return proc.stdout.strip() if proc.returncode == 0 else ""
+
+    return int(str(project.wait_for("the coordinator's published port", 60, port)).rsplit(":")[-1])
+
+
+def _wait_healthy(project: Project) -> float:
+    """Wait for the coordinator's healthcheck to report healthy; seconds taken."""
+    start = time.monotonic()
+    found = project.wait_for("the coordinator", 60, lambda: project.containers("coordinator"))
+    coordinator = found[0]  # type: ignore[index]
+
+    def healthy() -> bool:
+        health = _state(coordinator).get("Health") or {}
+        return health.get("Status") == "healthy"  # type: ignore[union-attr]
+
+    project.wait_for("the coordinator's healthcheck to turn healthy", 90, healthy)
+    return time.monotonic() - start
+
+
+def _status_rows(target: str, token: str) -> list[tuple[int, str]]:
+    """``ferrogrpc status`` from the host, presenting the job's token (the
+    coordinator refuses a status call without it): its (rank, address) rows
+    once it says every member joined, else []."""
+    env = {**os.environ, "FERROGRPC_TOKEN": token}
+    proc = subprocess.run(
+        [*CLI, "status", target], capture_output=True, text=True, timeout=30, check=False, env=env
+    )
+    if proc.returncode != 0 or f"{RANKS}/{RANKS} joined" not in proc.stdout:
+        return []
+    return [
+        (int(m.group(1)), m.group(2))
+        for m in re.finditer(r"^\s*(\d+)\s+(\S+:\d+)\s", proc.stdout, re.MULTILINE)
+    ]
+
+
+def _replicas_done(project: Project) -> list[str]:
+    ids = project.containers("rank")
+    if len(ids) == RANKS and all(_state(c)["Status"] == "exited" for c in ids):
+        return ids
+    return []
+
+
+def _reference_losses() -> list[float]:
+    """client.train's run as one process on the whole batch, in plain torch:
+    the global loss of each step (the ranks' mean of equal slices' losses),
+    after gradients averaged over the slices (the whole batch's gradient)."""
+    model = build_model()
+    opt = make_optimizer(model.parameters(), LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = global_batch(step, BATCH)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.timeout(BUILD_TIMEOUT_S + 240)
+def test_readme_compose_up_scale_4_trains_over_grpc(
+    image: Image, tmp_path: Path, report: Callable[[str], None]
+) -> None:
+    report(f"compose: `{shlex.join(BUILD)}` took {image.build_seconds:.1f}s")
+    token = secrets.token_hex(16)
+    with compose_project(image, tmp_path, FERROGRPC_TOKEN=token) as project:
+        project.start()
+        report(f"compose: coordinator healthy after {_wait_healthy(project):.1f}s")
+        target = f"127.0.0.1:{_published_port(project)}"
+        members = project.wait_for(
+            f"`ferrogrpc status {target}` listing {RANKS} members",
+            120,
+            lambda: _status_rows(target, token),
+            interval=0.5,
+        )
+        # Without the token, the coordinator answers nothing.
+        env = {k: v for k, v in os.environ.items() if k != "FERROGRPC_TOKEN"}
+        bare = subprocess.run(
+            [*CLI, "status", target], capture_output=True, text=True, timeout=30, env=env
+        )
+        assert bare.returncode != 0 and "joined" not in bare.stdout, (bare.stdout, bare.stderr)
+        replicas = project.wait_for(
+            f"{RANKS} replicas to exit", 150, lambda: _replicas_done(project), interval=0.5
+        )
+        logs = {c: _logs(c) for c in replicas}  # type: ignore[union-attr]
+        states = {c: _state(c) for c in logs}
+        envs = {c: _inspect(c)["Config"]["Env"] for c in logs}  # type: ignore[index]
+
+    for c, log in logs.items():
+        assert states[c]["ExitCode"] == 0, f"replica {c} exited {states[c]['ExitCode']}:\n{log}"
+        # compose passes the token from the environment to every rank, which
+        # then refuses peer RPCs without it: they trained, so all carried it.
+        assert f"FERROGRPC_TOKEN={token}" in envs[c], envs[c]
+    joined = {int(_joined(log)["rank"]): _joined(log) for log in logs.values()}  # type: ignore[call-overload]
+    assert sorted(joined) == list(range(RANKS)), f"ranks {sorted(joined)}: {joined}"
+    assert all(j["world_size"] == RANKS for j in joined.values()), joined
+    # Every replica is its own host: no shared memory between containers.
+    assert {j["path"] for j in joined.values()} == {"grpc"}, joined
+    addresses = {str(j["address"]) for j in joined.values()}
+    assert len({a.rsplit(":", 1)[0] for a in addresses}) == RANKS, addresses
+    # The coordinator's member table, read from the host, names the same ranks.
+    assert sorted(members) == sorted((r, str(j["address"])) for r, j in joined.items()), members  # type: ignore[arg-type]
+
+    reference = _reference_losses()
+    losses: dict[int, list[float]] = {}
+    checksums: dict[int, list[float]] = {}
+    for log in logs.values():
+        records = [r for r in _records(log) if "loss" in r]
+        assert [r["step"] for r in records] == list(range(STEPS)), log
+        rank = int(records[0]["rank"])  # type: ignore[call-overload]
+        losses[rank] = [float(r["loss"]) for r in records]  # type: ignore[arg-type]
+        checksums[rank] = [float(r["checksum"]) for r in records]  # type: ignore[arg-type]
+    for step in range(STEPS):
+        values = {losses[r][step] for r in range(RANKS)}
+        assert len(values) == 1, f"the ranks' losses differ at step {step}: {values}"
+        sums = {checksums[r][step] for r in range(RANKS)}
+        assert len(sums) == 1, f"the ranks' parameters differ after step {step}: {sums}"
+    # Logged rounded to 1e-10; the ring sums in another order than one process.
+    torch.testing.assert_close(
+        torch.tensor(losses[0], dtype=torch.float64),
+        torch.tensor(reference, dtype=torch.float64),
+        atol=1e-8,
+        rtol=0,
+    )
+
+
+VICTIM = 2
+DETECT_S = 5.0
+ERROR_LINE = re.compile(r"^(\S+) ferrogrpc\.errors\.(\w+): (.*)$", re.MULTILINE)
+
+
+@pytest.mark.timeout(BUILD_TIMEOUT_S + 240)
+def test_docker_kill_of_a_replica_is_named_by_every_other_within_5s(
+    image: Image, tmp_path: Path, report: Callable[[str], None]
+) -> None:
+    # A long run with an exact world size; the victim is killed mid-run.
+    variables = {"FERROGRPC_WORLD_SIZE": str(RANKS), "FERROGRPC_STEPS": "1000000"}
+    with compose_project(image, tmp_path, **variables) as project:
+        project.start()
+        _wait_healthy(project)
+
+        def training() -> dict[int, str]:
+            ids = project.containers("rank")
+            logs = {c: _logs(c) for c in ids}
+            if len(ids) < RANKS or not all('"step": 5,' in log for log in logs.values()):
+                return {}
+            return {int(_joined(log)["rank"]): c for c, log in logs.items()}  # type: ignore[call-overload]
+
+        by_rank: dict[int, str] = project.wait_for(  # type: ignore[assignment]
+            "every replica past step 5", 150, training, interval=0.5
+        )
+        victim = by_rank[VICTIM]
+        victim_address = str(_joined(_logs(victim))["address"])
+        _run(["docker", "kill", victim])
+        project.wait_for(
+            "every replica to exit after the kill", 60, lambda: _replicas_done(project)
+        )
+        # Nothing of the job is left running: every replica has exited.
+        running = [c for c in project.containers("rank") if _state(c)["Running"]]
+        assert not running, running
+        states = {r: _state(c) for r, c in by_rank.items()}
+        logs = {r: _logs(c, timestamps=True) for r, c in by_rank.items()}
+
+    assert states[VICTIM]["ExitCode"] == 137, states[VICTIM]
+    killed_at = _time(str(states[VICTIM]["FinishedAt"]))
+    for rank, state in states.items():
+        if rank == VICTIM:
+            continue
+        log = logs[rank]
+        exited = _time(str(state["FinishedAt"])) - killed_at
+        errors = ERROR_LINE.findall(log)
+        assert errors, f"rank {rank} printed no ferrogrpc error:\n{log[-4000:]}"
+        stamp, kind, message = errors[-1]
+        named = _time(stamp) - killed_at
+        report(
+            f"compose: docker kill of rank {VICTIM}: rank {rank} raised {kind} after "
+            f"{named:.2f}s, exited {state['ExitCode']} after {exited:.2f}s"
+        )
+        assert state["ExitCode"] not in (0, None), f"rank {rank} exited {state['ExitCode']}"
+        assert kind == "PeerError", message
+        assert f"peer {VICTIM} ({victim_address})" in message, message
+        assert exited < DETECT_S, f"rank {rank} exited {exited:.2f}s after the kill: {message}"

@@ -1,0 +1,134 @@
+"""The same-host plane's resources: segments are anonymous memory (memfd)
+that no process can hold once the job's processes are gone, SIGKILL
+included; close() releases them in a live process; FERROGRPC_SHM=0 turns
+the plane off."""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import ferrogrpc as fg
+from tests.helpers import RANKS, free_port, rank_env
+
+pytestmark = pytest.mark.timeout(90)
+
+_MEMFD = re.compile(r"^\S+ \S+ \S+ \S+ (\d+)\s+/memfd:ferrogrpc")
+
+
+def _segments(pid: int | str) -> set[int]:
+    """Inodes of the ferrogrpc segments a process maps or holds open."""
+    found: set[int] = set()
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                m = _MEMFD.match(line)
+                if m:
+                    found.add(int(m.group(1)))
+        fd_dir = f"/proc/{pid}/fd"
+        for fd in os.listdir(fd_dir):
+            try:
+                if os.readlink(f"{fd_dir}/{fd}").startswith("/memfd:ferrogrpc"):
+                    found.add(os.stat(f"{fd_dir}/{fd}").st_ino)
+            except OSError:
+                continue
+    except OSError:
+        pass  # the process is gone (or not ours to read)
+    return found
+
+
+def _anyone_holding(inodes: set[int]) -> list[str]:
+    holders = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and _segments(pid) & inodes:
+            holders.append(pid)
+    return holders
+
+
+def test_segments_are_gone_once_sigkilled_ranks_are() -> None:
+    world = 4
+    port = free_port()
+    shm_files = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(RANKS / "shm_loop.py")],
+            env=rank_env(rank, world, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line.startswith("ready") and "shared memory" in line, line
+        inodes: set[int] = set()
+        for proc in procs:
+            held = _segments(proc.pid)
+            # Its own segment and its three peers'.
+            assert len(held) == world, held
+            inodes |= held
+        assert len(inodes) == world
+        # Mid-collective, every rank at once: nothing runs any clean-up.
+        for proc in procs:
+            os.kill(proc.pid, signal.SIGKILL)
+        for proc in procs:
+            proc.wait(timeout=30)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    # No process maps or holds any of them: the kernel has freed them. And
+    # nothing was ever named in /dev/shm for a later job to clean up.
+    assert _anyone_holding(inodes) == []
+    if os.path.isdir("/dev/shm"):
+        assert {f for f in os.listdir("/dev/shm") if "ferrogrpc" in f} <= shm_files
+
+
+async def test_close_releases_segments_in_a_live_process() -> None:
+    before = _segments("self")
+    async with fg.testing.local_group(3, transport="shm") as peers:
+        assert all(p.data_path == "shared memory" for p in peers)
+        during = _segments("self") - before
+        # Three segments, each mapped by its three ranks in this one process.
+        assert len(during) == 3, during
+    gc.collect()
+    assert _segments("self") - before == set()
+
+
+def test_shm_off_moves_every_byte_over_grpc() -> None:
+    script = (
+        "import ferrogrpc as fg, torch\n"
+        "b = fg.init_backend()\n"
+        "t = torch.ones(1000); b.all_reduce(t)\n"
+        "s = fg.testing.stats(b)\n"
+        "print(b.data_path, s.bytes_received > 0, s.bytes_local, float(t[0]))\n"
+        "b.close()\n"
+    )
+    for shm, expected in (("0", "grpc True 0 2.0"), ("1", "shared memory False")):
+        port = free_port()
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", script],
+                env=rank_env(rank, 2, port, FERROGRPC_SHM=shm),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank in range(2)
+        ]
+        deadline = time.monotonic() + 60
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
+            assert proc.returncode == 0, out
+            assert out.strip().splitlines()[-1].startswith(expected), out

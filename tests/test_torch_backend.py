@@ -1,0 +1,115 @@
+"""ferrogrpc as a torch.distributed backend, with real processes: torch's
+collectives against gloo, torch DDP (with and without communication hooks),
+FSDP2 and DCP against single-process training, every way into
+``init_process_group``, and a fixed selection of PyTorch's own distributed
+test suite."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ferrogrpc as fg
+from tests.helpers import run_ranks, run_torchrun
+
+# PyTorch's own tests (torch.testing._internal.distributed.distributed_test)
+# that exercise a backend's collectives on the CPU without naming gloo or
+# nccl: each asserts exact results. They run in one process group (see
+# tests/ranks/torch_suite.py).
+PYTORCH_TESTS = [
+    "test_get_rank",
+    "test_get_rank_size_full_group",
+    "test_barrier",
+    "test_barrier_full_group",
+    "test_broadcast",
+    "test_broadcast_full_group",
+    "test_reduce_sum",
+    "test_reduce_product",
+    "test_reduce_min",
+    "test_reduce_max",
+    "test_reduce_sum_twice",
+    "test_all_reduce_sum",
+    "test_all_reduce_sum_async",
+    "test_all_reduce_product",
+    "test_all_reduce_min",
+    "test_all_reduce_max",
+    "test_all_reduce_sum_complex",
+    "test_all_reduce_full_group_sum",
+    "test_all_reduce_coalesced_sum",
+    "test_all_reduce_coalesced_max",
+    "test_all_reduce_coalesced_product",
+    "test_all_gather",
+    "test_all_gather_complex",
+    "test_all_gather_coalesced_simple",
+    "test_all_gather_coalesced_with_empty",
+    "test_scatter",
+    "test_scatter_complex",
+    "test_gather",
+    "test_all_to_all",
+    "test_all_to_all_complex",
+    "test_all_to_all_single_equal_split",
+    "test_send_recv",
+    "test_send_recv_with_tag",
+    "test_isend",
+    "test_irecv",
+    "test_get_future",
+]
+
+
+def test_backend_is_registered_on_import() -> None:
+    assert "ferrogrpc" in torch.distributed.Backend.backend_list
+    assert torch.distributed.Backend("ferrogrpc") == "ferrogrpc"
+    assert fg.ReduceOp.coerce(torch.distributed.ReduceOp.AVG) is fg.ReduceOp.MEAN
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("world", "shm"), [(2, "1"), (3, "0")])
+def test_torch_api_ddp_fsdp2_and_dcp_over_ferrogrpc(world: int, shm: str, tmp_path: Path) -> None:
+    outputs = run_ranks(
+        "torch_dist.py",
+        world,
+        timeout=220,
+        env={"FERROGRPC_SHM": shm, "CHECKPOINT_DIR": str(tmp_path)},
+    )
+    for rank, out in enumerate(outputs):
+        assert "DONE" in out, f"rank {rank}:\n{out}"
+    assert "OK torch DDP" in outputs[0] and "OK FSDP2" in outputs[0] and "OK DCP" in outputs[0]
+
+
+@pytest.mark.timeout(200)
+def test_every_way_into_init_process_group(tmp_path: Path) -> None:
+    for mode, extra in (
+        ("tcp", []),
+        ("file", [str(tmp_path / "f")]),
+        ("store", []),
+        ("devicemap", []),
+    ):
+        outputs = run_ranks("torch_init.py", 2, mode, *extra, timeout=60)
+        expected = "grpc" if mode == "store" else "shared memory"  # pg_options shm=False
+        for out in outputs:
+            assert f"OK {mode} {expected}" in out, out
+
+
+@pytest.mark.timeout(150)
+def test_env_init_under_torchrun() -> None:
+    proc = run_torchrun(2, str(Path(__file__).parent / "ranks" / "torch_init.py"), "env")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("OK env shared memory") == 2, proc.stdout
+
+
+@pytest.mark.timeout(200)
+def test_a_selection_of_pytorchs_own_distributed_tests(tmp_path: Path) -> None:
+    outputs = run_ranks(
+        "torch_suite.py", 2, *PYTORCH_TESTS, timeout=180, env={"TEMP_DIR": str(tmp_path)}
+    )
+    line = next(x for x in outputs[0].splitlines() if x.startswith("RESULT "))
+    results: dict[str, str] = json.loads(line[len("RESULT ") :])
+    failed = {k: v for k, v in results.items() if not v.startswith("passed")}
+    print(f"PyTorch's own tests over ferrogrpc: {len(results) - len(failed)} passed")
+    assert not failed, failed
+    assert len(results) == len(PYTORCH_TESTS) >= 15
+    assert sys.modules.get("ferrogrpc") is not None
