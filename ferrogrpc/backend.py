@@ -20,6 +20,18 @@ from .work import Work
 T = TypeVar("T")
 
 
+async def _drain(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel every task left on ``loop`` but this one, wait for them to end
+    (bounded by the caller), then close its async generators."""
+    me = asyncio.current_task()
+    left = [t for t in asyncio.all_tasks(loop) if t is not me and not t.done()]
+    for task in left:
+        task.cancel()
+    if left:
+        await asyncio.gather(*left, return_exceptions=True)
+    await loop.shutdown_asyncgens()
+
+
 class Backend:
     """Blocking collectives for synchronous training code.
 
@@ -382,6 +394,13 @@ class Backend:
             future = asyncio.run_coroutine_threadsafe(self._peer.close(), self._loop)
             with contextlib.suppress(concurrent.futures.TimeoutError, FerroGrpcError):
                 future.result(timeout=10)
+            # What the peer's close left on the loop (gRPC's handler tasks
+            # for RPCs the server cancelled) is cancelled and run to its end
+            # here: a task destroyed while pending keeps gRPC call objects,
+            # its poller thread and sockets alive until a garbage collection.
+            drained = asyncio.run_coroutine_threadsafe(_drain(self._loop), self._loop)
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                drained.result(timeout=5)
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         if not self._loop.is_running() and not self._loop.is_closed():

@@ -26,7 +26,8 @@ def test_fsdp_matches_single_process_training(world: int) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [2, 3])
+# World 3: the tightest bound (a third) and uneven shards (padding).
+@pytest.mark.parametrize("world", [3])
 def test_resident_parameter_memory_is_a_shard_by_the_kernels_count(
     world: int, report: Callable[[str], None]
 ) -> None:
