@@ -36,7 +36,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .counter import Counter
-from .errors import ConfigError, Evidence, FerroGrpcError, Identity, PeerError, RendezvousError
+from .errors import (
+    ConfigError,
+    Evidence,
+    FerroGrpcError,
+    Identity,
+    PeerError,
+    ProtocolError,
+    RendezvousError,
+)
 from .v1 import collective_pb2 as pb
 
 # Signal kinds.
@@ -275,7 +283,16 @@ class LocalPlane:
                         continue
                     fut = self._first(link, arg)
                     if fut.done():
-                        raise OSError(f"rank {link.rank} sent seq {arg} twice")
+                        # Not a vanished process: say what it is.
+                        self._fail(
+                            ProtocolError(
+                                f"rank {link.rank} began collective #{arg} twice on the "
+                                "same-host plane",
+                                peer=link.rank,
+                                evidence=Evidence.FOUND,
+                            )
+                        )
+                        return
                     fut.set_result((kind, payload))
                 elif kind == ABORT:
                     assert self._report is not None

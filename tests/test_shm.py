@@ -5,6 +5,7 @@ the plane off."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import re
@@ -16,6 +17,7 @@ import time
 import pytest
 
 import ferrogrpc as fg
+from ferrogrpc import local
 from tests.helpers import RANKS, free_port, rank_env
 
 pytestmark = pytest.mark.timeout(90)
@@ -132,3 +134,18 @@ def test_shm_off_moves_every_byte_over_grpc() -> None:
             out, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
             assert proc.returncode == 0, out
             assert out.strip().splitlines()[-1].startswith(expected), out
+
+
+async def test_a_duplicate_first_message_is_a_protocol_error_not_a_vanished_rank() -> None:
+    # Rank 1 begins collective #7 twice on the plane before rank 0 reads
+    # either: rank 0's waits then fail naming rank 1 for what it did, not
+    # as "gone" (its process is alive; a wrong diagnosis sends users to
+    # look for a crash).
+    async with fg.testing.local_group(2, transport="shm") as peers:
+        plane0, plane1 = (p._plane for p in peers)
+        assert plane0 is not None and plane1 is not None
+        plane1.send(local.BEGIN, 7, b"")
+        plane1.send(local.BEGIN, 7, b"")
+        with pytest.raises(fg.ProtocolError, match="rank 1 began collective #7 twice") as info:
+            await asyncio.wait_for(plane0.first(1, 8), 10)
+        assert info.value.peer == 1
