@@ -12,6 +12,7 @@ from typing import Any, Literal, TypeVar, overload
 
 import torch
 
+from .direct import DirectCall
 from .errors import ConfigError, FerroGrpcError
 from .ops import ReduceOp
 from .peer import Peer
@@ -95,6 +96,11 @@ class Backend:
                 f"{name} was called from the backend's own event-loop thread; use the Peer's "
                 "coroutines there"
             )
+        if not async_op and isinstance(coro, DirectCall) and not self._closed:
+            # A small collective on one host, in this thread (direct.py).
+            done, value = coro.run_now()
+            if done:
+                return value  # type: ignore[return-value]
         with self._close_lock:
             # Under the lock, so that close() cannot stop the loop between the
             # check and the hand-off (the work would never run).

@@ -8,6 +8,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from .descriptor import build_plans
+from .direct import DeadlinePassedError, Direct, is_direct
 from .errors import FerroGrpcError, PeerError
 from .hierarchy import HierRunner
 from .jobs import Job, JobTable
@@ -38,6 +39,15 @@ class Engine:
         self.topology = topology or Topology.flat(ctx.identity.world_size)
         self.plane = plane
         self.links = Links(ctx)
+        # Small collectives run on direct sockets when every rank is on this host.
+        self.direct: Direct | None = None
+        if plane is not None and self.topology.single_host and ctx.identity.world_size > 1:
+            self.direct = Direct(ctx, plane, check_open, asyncio.get_running_loop())
+            jobs.wake = plane.wake
+
+    def uses_direct(self, descriptor: pb.Descriptor, itemsize: int) -> bool:
+        """Whether a collective runs on the direct sockets (direct.py)."""
+        return self.direct is not None and is_direct(descriptor, itemsize)
 
     def uses_plane(self, descriptor: pb.Descriptor, itemsize: int) -> bool:
         """Whether a collective would go through this rank's shared segments,
@@ -46,12 +56,18 @@ class Engine:
             return False
         return self.plane is not None and not is_small(descriptor, itemsize)
 
+    def close(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
+
     def _runner(self, job: Job) -> Callable[[], Coroutine[Any, Any, None]]:
         """How ``job`` runs: in one exchange if it is small; among one host's
         ranks through shared memory; in two levels when several hosts have
         several ranks; else as rings over the transport. Every rank picks
         alike: the topology is the same everywhere."""
         me, topo = self.ctx.identity, self.topology
+        if job.direct:
+            return lambda: self._run_direct(job)
         if job.kind == pb.ALL_TO_ALL or is_small(job.descriptor, job.buffer.element_size()):
             return SmallRunner(self.ctx, self.links, self.plane, topo.local(me.rank), job).run
         if self.plane is not None and topo.single_host:
@@ -81,6 +97,77 @@ class Engine:
         finally:
             await self._release(job)
             self.ctx.stats.collectives += 1
+
+    async def _run_direct(self, job: Job) -> None:
+        """A direct job from the loop: in its turn, in the direct thread."""
+        direct, failure = self.direct, self.ctx.failure
+        assert direct is not None and self.plane is not None
+        stage = job.stage
+        if stage is not None:
+            await stage.ready(0, job.buffer.numel())
+        await self.jobs.direct_turn(job.seq)
+        running = asyncio.get_running_loop().run_in_executor(direct.pool, direct.run, job)
+        try:
+            done = await asyncio.shield(running)
+        except asyncio.CancelledError:
+            # Stopped from the loop (a report, close(), the deadline): the
+            # thread must stop too before the next direct job may run.
+            job.stopped = job.error or self.ctx.identity.error(
+                PeerError, "the collective was stopped", op=job.name, seq=job.seq
+            )
+            self.plane.wake()
+            await asyncio.wait([running])
+            raise
+        except DeadlinePassedError:
+            err = failure.deadline_passed(job.name, job.seq, self.ctx.timeouts.collective)
+            self.plane.abort(failure.abort_message(err))
+            raise err from None
+        except FerroGrpcError as exc:
+            cause = failure.cause(exc, job.name, job.seq)
+            if not failure.plane_survives(cause, mid_round=False):
+                self.plane.abort(failure.abort_message(cause))
+            raise
+        if stage is not None:
+            stage.final(*done)
+
+    def run_now(self, job: Job) -> None:
+        """Run direct job ``job`` in this (the caller's) thread; it must be
+        its turn (JobTable.direct_head). Raises what the loop's path would:
+        the failure policy decides, on the loop."""
+        direct = self.direct
+        assert direct is not None and job.stage is None
+        try:
+            self._check_open()
+            refusal = self.ctx.failure.refusal(job.name, job.seq)
+            if refusal is not None:
+                raise refusal
+            try:
+                direct.run(job)
+            except DeadlinePassedError:
+                raise direct.on_loop(self._deadline(job)) from None
+            except FerroGrpcError as exc:
+                raise direct.on_loop(self._settle_direct(exc, job)) from exc.__cause__
+        finally:
+            self.jobs.finish(job)
+            refused = self.jobs.refused(job.seq)
+            if refused is not None:
+                direct.loop.call_soon_threadsafe(self._forget, job.seq, refused)
+            self.ctx.stats.collectives += 1
+
+    async def _deadline(self, job: Job) -> FerroGrpcError:
+        failure = self.ctx.failure
+        err = failure.deadline_passed(job.name, job.seq, self.ctx.timeouts.collective)
+        assert self.plane is not None
+        self.plane.abort(failure.abort_message(err))
+        return err
+
+    async def _settle_direct(self, exc: FerroGrpcError, job: Job) -> FerroGrpcError:
+        failure = self.ctx.failure
+        cause = failure.cause(exc, job.name, job.seq)
+        assert self.plane is not None
+        if not failure.plane_survives(cause, mid_round=False):
+            self.plane.abort(failure.abort_message(cause))
+        return await failure.settle(exc, job.name, job.seq)
 
     async def point_to_point(self, job: Job, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run a send or receive (``job`` names it; it takes no sequence

@@ -57,6 +57,11 @@ class Job:
     error: FerroGrpcError | None = None
     # Whether it must take its turn (see JobTable.turn).
     ordered: bool = False
+    # Whether it runs on the direct sockets (direct.py), in its turn among
+    # those (JobTable.direct_turn); and, set from the loop, why such a run
+    # in another thread must stop (its deadline passed).
+    direct: bool = False
+    stopped: FerroGrpcError | None = None
 
     @property
     def kind(self) -> int:
@@ -93,6 +98,13 @@ class JobTable:
         # and the waiter of each (see turn()).
         self._ordered: collections.deque[int] = collections.deque()
         self._turns: dict[int, asyncio.Future[None]] = {}
+        # The same for direct jobs (see direct_turn()); their waiters are set
+        # from whichever thread finishes the job before.
+        self._direct: collections.deque[int] = collections.deque()
+        self._direct_turns: dict[int, asyncio.Future[None]] = {}
+        # Called when a job is stopped from outside (a refusal, a break), to
+        # wake a thread running a direct job (see direct.py).
+        self.wake: Callable[[], None] | None = None
         # Point-to-point operations running: no sequence number of the
         # group's, but stopped like the collectives when the rank breaks.
         self._untracked: set[Job] = set()
@@ -114,14 +126,25 @@ class JobTable:
         out_offset: int = 0,
         ordered: bool = False,
         wire: torch.dtype | None = None,
+        direct: bool = False,
     ) -> Job:
         """A new job with the next sequence number. A group of one runs no
         ring, so its jobs are not tracked. An ``ordered`` job runs only once
-        every ordered job called before it has finished (see turn())."""
+        every ordered job called before it has finished (see turn()); a
+        ``direct`` one, every direct job called before it (direct_turn())."""
         with self._lock:
             seq = self._seq + 1
             job = Job(
-                seq, name, descriptor, buffer, op, out, out_offset, ordered=ordered, wire=wire
+                seq,
+                name,
+                descriptor,
+                buffer,
+                op,
+                out,
+                out_offset,
+                ordered=ordered,
+                wire=wire,
+                direct=direct,
             )
             # Registered before the new seq is visible: the intake reads _seq
             # without the lock and must never see a seq that is not tracked.
@@ -129,8 +152,29 @@ class JobTable:
                 self._jobs[seq] = job
                 if ordered:
                     self._ordered.append(seq)
+                if direct:
+                    self._direct.append(seq)
             self._seq = seq
         return job
+
+    def direct_head(self, seq: int) -> bool:
+        """Whether direct job ``seq`` may run now (thread-safe)."""
+        with self._lock:
+            return bool(self._direct) and self._direct[0] == seq
+
+    async def direct_turn(self, seq: int) -> None:
+        """Return once ``seq`` is the oldest unfinished direct job: direct
+        jobs share the direct sockets, one at a time, in call order (the same
+        order on every rank)."""
+        with self._lock:  # registered under the lock: finish() may run in another thread
+            if not self._direct or self._direct[0] == seq:
+                return
+            fut = self._direct_turns[seq] = asyncio.get_running_loop().create_future()
+        try:
+            await fut
+        finally:
+            with self._lock:
+                self._direct_turns.pop(seq, None)
 
     async def turn(self, seq: int) -> None:
         """Return once ``seq`` is the oldest unfinished ordered job: jobs that
@@ -172,6 +216,8 @@ class JobTable:
         job = self._jobs.get(seq)
         if job is not None:
             job.cancel(err)
+        if self.wake is not None:
+            self.wake()
         return True
 
     def _remember(self, seq: int, err: FerroGrpcError) -> None:
@@ -197,7 +243,17 @@ class JobTable:
         return job.name if job is not None else None
 
     def finish(self, job: Job) -> None:
+        """``job`` is done. On the loop, or for a direct job in the thread
+        that ran it."""
         self._jobs.pop(job.seq, None)
+        if job.direct:
+            with self._lock:
+                if job.seq in self._direct:
+                    self._direct.remove(job.seq)
+                head = self._direct[0] if self._direct else None
+                turn = self._direct_turns.get(head) if head is not None else None
+            if turn is not None:
+                turn.get_loop().call_soon_threadsafe(_set_if_pending, turn)
         if not job.ordered:
             return
         with self._lock:
@@ -212,6 +268,8 @@ class JobTable:
         """Stop every running job, to raise ``err`` (or ``err(job)``)."""
         for job in [*self._jobs.values(), *self._untracked]:
             job.cancel(err(job) if callable(err) else err)
+        if self.wake is not None:
+            self.wake()
 
     def track(self, job: Job) -> None:
         """Count a point-to-point operation among the running ones."""
@@ -227,3 +285,8 @@ class JobTable:
             job = jobs[min(jobs)]
             return job.name, job.seq
         return "", self._seq
+
+
+def _set_if_pending(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -73,6 +73,10 @@ _FRAME = struct.Struct("<IBQ")  # payload length, kind, arg
 SLOT_BYTES = 16 << 20
 SLOTS = 2
 
+# The send buffer asked for on a direct socket (the kernel caps it): room for
+# the two messages of DIRECT_BYTES that can be in flight each way.
+DIRECT_SNDBUF = 1 << 20
+
 # How long close() waits for signals still being written to be delivered.
 CLOSE_FLUSH_S = 2.0
 
@@ -111,6 +115,9 @@ class _Link:
         self.first: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
         self.segment: torch.Tensor | None = None
         self.task: asyncio.Task[None] | None = None
+        # The blocking socket that small collectives use from a caller's
+        # thread (direct.py); None until connected.
+        self.direct: socket.socket | None = None
 
 
 class LocalPlane:
@@ -137,6 +144,13 @@ class LocalPlane:
         self._proof = nonce  # what this rank's hello presents (see connect())
         # Sequence numbers of collectives no rank will run here (forget()).
         self._forgotten: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # Wakes a thread waiting on the direct sockets (see wake()); and the
+        # collective it waits in, whose first message through the loop's
+        # signals (a peer that ran it another way) must wake it too.
+        self.wake_r, self._wake_w = socket.socketpair()
+        self.wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.direct_seq = 0
 
     # ------------------------------------------------------------ set-up
 
@@ -178,14 +192,16 @@ class LocalPlane:
                 world_size=me.world_size,
             ) from exc
         items = list(socks.items())
-        for i, (rank, (sock, fd)) in enumerate(items):
+        for i, (rank, (sock, fd, direct)) in enumerate(items):
             try:
                 mapped = mmap.mmap(fd, self.slots * self.slot_bytes, prot=mmap.PROT_READ)
             except (OSError, ValueError) as exc:  # not a segment of the expected size
-                for _, (other, other_fd) in items[i + 1 :]:
+                for _, (other, other_fd, other_direct) in items[i + 1 :]:
                     os.close(other_fd)
                     other.close()
+                    other_direct.close()
                 sock.close()
+                direct.close()
                 raise RendezvousError(
                     f"rank {rank} on this host passed a segment that cannot be mapped: {exc}",
                     rank=me.rank,
@@ -197,6 +213,7 @@ class LocalPlane:
             reader, writer = await asyncio.open_unix_connection(sock=sock)
             link = _Link(rank, reader, writer)
             link.segment = _readonly_tensor(mapped)
+            link.direct = direct
             self.links[rank] = link
         for link in self.links.values():
             link.task = asyncio.ensure_future(self._listen(link))
@@ -210,47 +227,63 @@ class LocalPlane:
         nonces: Sequence[str],
         proofs: Sequence[str],
         timeout: float,
-    ) -> dict[int, tuple[socket.socket, int]]:
+    ) -> dict[int, tuple[socket.socket, int, socket.socket]]:
         """Blocking: connect to higher-ranked peers, then accept the lower
-        ones. The highest rank only accepts, so every wait ends."""
-        out: dict[int, tuple[socket.socket, int]] = {}
+        ones. The highest rank only accepts, so every wait ends. Each pair
+        also gets a direct socket: the connecting rank's hello passes one
+        end of a new socket pair."""
+        out: dict[int, tuple[socket.socket, int, socket.socket]] = {}
         for peer in (p for p in peers if p > rank):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(timeout)
             sock.connect(_socket_name(nonces[peer]))
-            self._hello(sock, rank)
-            got, fd = self._expect_hello(sock, proofs)
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self._hello(sock, rank, theirs)
+            finally:
+                theirs.close()
+            got, fd, _ = self._expect_hello(sock, proofs, 1)
             if got != peer:
                 raise OSError(f"rank {peer}'s socket answered as rank {got}")
-            out[peer] = (sock, fd)
+            out[peer] = (sock, fd, mine)
         lower = {p for p in peers if p < rank}
         self.listener.settimeout(timeout)
         while lower:
             sock, _ = self.listener.accept()
             sock.settimeout(timeout)
             try:
-                got, fd = self._expect_hello(sock, proofs)
+                got, fd, direct = self._expect_hello(sock, proofs, 2)
             except OSError:
                 sock.close()  # a stranger: not a rank of this group
                 continue
+            assert direct is not None
             if got not in lower:
                 os.close(fd)
+                direct.close()
                 sock.close()
                 continue
             self._hello(sock, rank)
             lower.discard(got)
-            out[got] = (sock, fd)
-        for sock, _ in out.values():
+            out[got] = (sock, fd, direct)
+        for sock, _, direct in out.values():
             sock.setblocking(False)
+            direct.settimeout(None)
+            with contextlib.suppress(OSError):  # the kernel caps it; best effort
+                direct.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, DIRECT_SNDBUF)
         return out
 
-    def _hello(self, sock: socket.socket, rank: int) -> None:
+    def _hello(self, sock: socket.socket, rank: int, direct: socket.socket | None = None) -> None:
         payload = struct.pack("<I", rank) + self._proof.encode()
-        socket.send_fds(sock, [_FRAME.pack(len(payload), HELLO, 0) + payload], [self.fd])
+        fds = [self.fd] if direct is None else [self.fd, direct.fileno()]
+        socket.send_fds(sock, [_FRAME.pack(len(payload), HELLO, 0) + payload], fds)
 
-    def _expect_hello(self, sock: socket.socket, proofs: Sequence[str]) -> tuple[int, int]:
-        data, fds, _, _ = socket.recv_fds(sock, _FRAME.size + 4 + 64, 1)
-        if len(data) < _FRAME.size + 4 or len(fds) != 1:
+    def _expect_hello(
+        self, sock: socket.socket, proofs: Sequence[str], nfds: int
+    ) -> tuple[int, int, socket.socket | None]:
+        """The hello on ``sock``: the sender's rank, its segment's fd, and
+        (with ``nfds`` 2) the direct socket it passed."""
+        data, fds, _, _ = socket.recv_fds(sock, _FRAME.size + 4 + 64, nfds)
+        if len(data) < _FRAME.size + 4 or len(fds) != nfds:
             for fd in fds:
                 os.close(fd)
             raise OSError("malformed hello")
@@ -259,9 +292,11 @@ class LocalPlane:
         presented = data[_FRAME.size + 4 : _FRAME.size + length]
         expected = proofs[rank].encode() if rank < len(proofs) else b""
         if kind != HELLO or not expected or not hmac.compare_digest(presented, expected):
-            os.close(fds[0])
+            for fd in fds:
+                os.close(fd)
             raise OSError(f"hello claiming rank {rank} without its credential")
-        return rank, fds[0]
+        direct = socket.socket(fileno=fds[1]) if nfds == 2 else None
+        return rank, fds[0], direct
 
     # ------------------------------------------------------------ signals
 
@@ -294,6 +329,8 @@ class LocalPlane:
                         )
                         return
                     fut.set_result((kind, payload))
+                    if arg == self.direct_seq:
+                        self.wake()  # a direct wait for it learns it ran another way
                 elif kind == ABORT:
                     assert self._report is not None
                     self._fail(self._report(pb.Abort.FromString(payload)))
@@ -325,6 +362,7 @@ class LocalPlane:
         if self._failed is not None:
             return
         self._failed = err
+        self.wake()
         for link in self.links.values():
             for counter in (link.written, link.reduced, link.done):
                 counter.fail(err)
@@ -345,6 +383,12 @@ class LocalPlane:
     @property
     def failed(self) -> FerroGrpcError | None:
         return self._failed
+
+    def wake(self) -> None:
+        """Wake a thread waiting on the direct sockets, to look again at
+        why it might stop (thread-safe)."""
+        with contextlib.suppress(OSError):  # full (a wake is pending) or closed
+            self._wake_w.send(b"w")
 
     def send(self, kind: int, arg: int, payload: bytes = b"") -> None:
         """Signal every local peer."""
@@ -415,8 +459,19 @@ class LocalPlane:
         for link in self.links.values():
             if link.task is not None:
                 await asyncio.gather(link.task, return_exceptions=True)
+        for link in self.links.values():
+            if link.direct is not None:
+                # A thread still waiting on it sees its end; then it goes.
+                with contextlib.suppress(OSError):
+                    link.direct.shutdown(socket.SHUT_RDWR)
+        self.wake()
+        for link in self.links.values():
+            if link.direct is not None:
+                link.direct.close()
         self.links.clear()
         self.listener.close()
+        self.wake_r.close()
+        self._wake_w.close()
         self.segment = torch.empty(0, dtype=torch.uint8)
         for mapped in self._maps:
             # A tensor may still view it: it is then freed with the last reference.

@@ -18,6 +18,7 @@ import torch
 
 from . import schedule, validate
 from .bootstrap import join
+from .direct import DirectCall
 from .errors import CollectiveTimeoutError, ConfigError, FerroGrpcError, Identity
 from .integrity import Checksum
 from .jobs import Job
@@ -244,7 +245,14 @@ class Peer(PeerBase):
             await gathered
             return list(out.unbind(0))
 
-        return run()
+        if not isinstance(gathered, DirectCall):
+            return run()
+
+        def now() -> tuple[bool, list[torch.Tensor] | None]:
+            done, _ = gathered.run_now()
+            return done, list(out.unbind(0)) if done else None
+
+        return DirectCall(run(), now)
 
     def all_gather_into_tensor(
         self, out: torch.Tensor, tensor: torch.Tensor, *, wire_dtype: torch.dtype | None = None

@@ -14,6 +14,7 @@ from typing import Any, Self
 import torch
 
 from .descriptor import make_descriptor
+from .direct import DirectCall
 from .engine import Engine
 from .errors import ConfigError, PeerError
 from .jobs import Job, JobTable
@@ -118,8 +119,12 @@ class PeerBase:
             self._ctx.checksum,
             wire,
         )
-        ordered = self._engine.uses_plane(descriptor, buffer.element_size())
-        return self._jobs.add(name, descriptor, buffer, op, out, out_offset, ordered, wire)
+        itemsize = buffer.element_size()
+        ordered = self._engine.uses_plane(descriptor, itemsize)
+        direct = self._engine.uses_direct(descriptor, itemsize)
+        return self._jobs.add(
+            name, descriptor, buffer, op, out, out_offset, ordered, wire, direct=direct
+        )
 
     def _run(self, placed: Placed, result: Any) -> Coroutine[Any, Any, Any]:
         """The coroutine that runs ``placed``'s job (a group of one runs no
@@ -136,7 +141,18 @@ class PeerBase:
             placed.after()
             return result
 
-        return run()
+        if not job.direct or job.stage is not None:
+            return run()
+
+        def now() -> tuple[bool, Any]:
+            # A synchronous caller runs it in its own thread, if it is its turn.
+            if not self._jobs.direct_head(job.seq):
+                return False, None
+            self._engine.run_now(job)
+            placed.after()
+            return True, result
+
+        return DirectCall(run(), now)
 
     # ---------------------------------------------------------- collectives
 
@@ -150,6 +166,7 @@ class PeerBase:
         self._jobs.cancel_all(lambda j: self._me.error(PeerError, closed, op=j.name, seq=j.seq))
         await self._failure.drain(ABORT_DELIVERY_S)
         await self._engine.links.close()
+        self._engine.close()
         if self._plane is not None:
             await self._plane.close()
         await self._ctx.transport.close()

@@ -233,59 +233,17 @@ class SmallRunner:
 
     async def _main(self) -> None:
         job, me = self.job, self.me
-        buf, stage, kind = job.buffer, job.stage, job.kind
-        n, world, rank = buf.numel(), me.world_size, me.rank
-        others = [r for r in range(world) if r != rank]
-        dtype = self.wire if self.wire is not None else buf.dtype
-        item = dtype.itemsize
+        buf, stage = job.buffer, job.stage
         if stage is not None:
-            await stage.ready(0, n)
-        mine = buf
-        if self.wire is not None:
-            mine = buf.to(self.wire).to(buf.dtype)
-        if kind in (pb.ALL_REDUCE, pb.BARRIER):
-            got = await self._exchange({r: buf for r in others}, dict.fromkeys(others, n * item))
-            if kind == pb.ALL_REDUCE:
-                values = [
-                    mine if r == rank else _tensor(got[r], dtype, buf.dtype) for r in range(world)
-                ]
-                buf.copy_(_reduce(values, job.op, world))
-        elif kind == pb.BROADCAST:
-            root = job.descriptor.root
-            empty = buf[:0]
-            outgoing = {r: buf if rank == root else empty for r in others}
-            got = await self._exchange(outgoing, {r: n * item if r == root else 0 for r in others})
-            if rank != root:
-                buf.copy_(_tensor(got[root], dtype, buf.dtype))
-        elif kind == pb.ALL_GATHER:
-            m = n // world
-            own = buf[rank * m : (rank + 1) * m]
-            got = await self._exchange(dict.fromkeys(others, own), dict.fromkeys(others, m * item))
-            if self.wire is not None:
-                own.copy_(own.to(self.wire))  # as every other rank gets it
-            for r, data in got.items():
-                buf[r * m : (r + 1) * m].copy_(_tensor(data, dtype, buf.dtype))
-        elif kind == pb.REDUCE_SCATTER:
-            assert job.out is not None
-            bounds = schedule.split_bounds(0, n, world)
-            lo, hi = bounds[rank]
-            got = await self._exchange(
-                {r: buf[bounds[r][0] : bounds[r][1]] for r in others},
-                dict.fromkeys(others, (hi - lo) * item),
-            )
-            values = [
-                mine[lo:hi] if r == rank else _tensor(got[r], dtype, buf.dtype)
-                for r in range(world)
-            ]
-            job.out.copy_(_reduce(values, job.op, world))
-            if stage is not None:
-                stage.final(lo, hi)
+            await stage.ready(0, buf.numel())
+        if job.kind == pb.ALL_TO_ALL:
+            await self._all_to_all([r for r in range(me.world_size) if r != me.rank], buf.dtype)
             return
-        elif kind == pb.ALL_TO_ALL:
-            await self._all_to_all(others, dtype)
-            return
+        outgoing, expect = plan(job, me.rank, me.world_size, self.wire)
+        got = await self._exchange(outgoing, expect)
+        done = finish(job, me.rank, me.world_size, got, self.wire)
         if stage is not None:
-            stage.final(0, n)
+            stage.final(*done)
 
     async def _all_to_all(self, others: list[int], dtype: torch.dtype) -> None:
         job, rank = self.job, self.me.rank
@@ -303,6 +261,71 @@ class SmallRunner:
         )
         for r, data in got.items():
             out[at_out[r] : at_out[r] + outs[r]].copy_(_tensor(data, dtype, out.dtype))
+
+
+def plan(
+    job: Job, rank: int, world: int, wire: torch.dtype | None
+) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
+    """What a small collective sends each other rank, and how many bytes it
+    expects from each (in ``wire``'s dtype where given)."""
+    buf, kind = job.buffer, job.kind
+    n = buf.numel()
+    item = (wire or buf.dtype).itemsize
+    others = [r for r in range(world) if r != rank]
+    if kind in (pb.ALL_REDUCE, pb.BARRIER):
+        return dict.fromkeys(others, buf), dict.fromkeys(others, n * item)
+    if kind == pb.BROADCAST:
+        root = job.descriptor.root
+        outgoing = {r: buf if rank == root else buf[:0] for r in others}
+        return outgoing, {r: n * item if r == root else 0 for r in others}
+    if kind == pb.ALL_GATHER:
+        m = n // world
+        own = buf[rank * m : (rank + 1) * m]
+        return dict.fromkeys(others, own), dict.fromkeys(others, m * item)
+    if kind == pb.REDUCE_SCATTER:
+        bounds = schedule.split_bounds(0, n, world)
+        lo, hi = bounds[rank]
+        return {r: buf[bounds[r][0] : bounds[r][1]] for r in others}, dict.fromkeys(
+            others, (hi - lo) * item
+        )
+    raise AssertionError(f"not a small collective: kind {kind}")
+
+
+def finish(
+    job: Job, rank: int, world: int, got: dict[int, memoryview], wire: torch.dtype | None
+) -> tuple[int, int]:
+    """Compute a small collective's result from what every other rank sent
+    (see :func:`plan`); return the element range of ``job.buffer`` it
+    produced (or that ``job.out`` holds)."""
+    buf, kind = job.buffer, job.kind
+    n = buf.numel()
+    dtype = wire or buf.dtype
+    # With a wire dtype every rank's contribution, its own included, is
+    # rounded to it, so that every rank reduces the same values.
+    mine = buf if wire is None else buf.to(wire).to(buf.dtype)
+    if kind == pb.ALL_REDUCE:
+        values = [mine if r == rank else _tensor(got[r], dtype, buf.dtype) for r in range(world)]
+        buf.copy_(_reduce(values, job.op, world))
+    elif kind == pb.BROADCAST:
+        root = job.descriptor.root
+        if rank != root:
+            buf.copy_(_tensor(got[root], dtype, buf.dtype))
+    elif kind == pb.ALL_GATHER:
+        m = n // world
+        if wire is not None:
+            own = buf[rank * m : (rank + 1) * m]
+            own.copy_(own.to(wire))  # as every other rank gets it
+        for r, data in got.items():
+            buf[r * m : (r + 1) * m].copy_(_tensor(data, dtype, buf.dtype))
+    elif kind == pb.REDUCE_SCATTER:
+        assert job.out is not None
+        lo, hi = schedule.split_bounds(0, n, world)[rank]
+        values = [
+            mine[lo:hi] if r == rank else _tensor(got[r], dtype, buf.dtype) for r in range(world)
+        ]
+        job.out.copy_(_reduce(values, job.op, world))
+        return lo, hi
+    return 0, n
 
 
 async def send_parts(

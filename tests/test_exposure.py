@@ -334,10 +334,15 @@ async def test_with_a_token_the_same_host_hello_needs_more_than_the_nonce(
                 payload = struct.pack("<I", 0) + nonces[0].encode()
                 fd = os.memfd_create("rogue")
                 os.ftruncate(fd, planes[1].slots * planes[1].slot_bytes)
+                # A segment and one end of a direct socket pair, as rank 0's hello has.
+                mine, theirs = socket.socketpair()
                 try:
-                    socket.send_fds(sock, [_FRAME.pack(len(payload), HELLO, 0) + payload], [fd])
+                    frame = _FRAME.pack(len(payload), HELLO, 0) + payload
+                    socket.send_fds(sock, [frame], [fd, theirs.fileno()])
                 finally:
                     os.close(fd)
+                    mine.close()
+                    theirs.close()
                 data, fds, _, _ = socket.recv_fds(sock, 1024, 1)
                 for got in fds:
                     os.close(got)

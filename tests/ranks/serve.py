@@ -6,6 +6,9 @@ address pid`` once the group formed, then answers each command:
   float64 sum of every rank's inputs; prints ``OK <max abs error>``;
 - ``all_reduce_int OP``: an all_reduce of an int64 tensor with reduce op OP;
   prints ``OK`` or the error's class and message on one line;
+- ``small N``: the same with N elements (a small collective, run on the
+  direct sockets when every rank shares this host); prints ``OK <max abs
+  error>``, or the error's class and message on one line;
 - ``quit``: closes the backend and exits.
 """
 
@@ -21,9 +24,9 @@ import ferrogrpc as fg
 NUMEL = 1 << 20
 
 
-def inputs(rank: int, step: int) -> torch.Tensor:
+def inputs(rank: int, step: int, numel: int = NUMEL) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(NUMEL, generator=g, dtype=torch.float64)
+    return torch.randn(numel, generator=g, dtype=torch.float64)
 
 
 def main() -> None:
@@ -47,6 +50,17 @@ def main() -> None:
                     print(f"{type(exc).__name__} {exc}".replace("\n", " "), flush=True)
                 else:
                     print("OK", flush=True)
+            elif command.startswith("small "):
+                step += 1
+                numel = int(command.split()[1])
+                t = inputs(rank, step, numel)
+                try:
+                    backend.all_reduce(t)
+                except fg.FerroGrpcError as exc:
+                    print(f"{type(exc).__name__} {exc}".replace("\n", " "), flush=True)
+                    continue
+                ref = torch.stack([inputs(r, step, numel) for r in range(world)]).sum(0)
+                print(f"OK {float((t - ref).abs().max()):.3g}", flush=True)
             elif command == "quit":
                 break
             else:

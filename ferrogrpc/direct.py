@@ -1,0 +1,368 @@
+"""Small collectives on one host, run from the caller's thread.
+
+When every rank shares one host, a small collective (at most
+``DIRECT_BYTES``) is one exchange of messages on *direct sockets*: a Unix
+socket pair per pair of ranks, set up with the shared-memory plane
+(local.py), that a thread uses with blocking calls. A synchronous call runs
+the exchange in the calling thread itself, as gloo does: no hand-off to the
+event loop and back, no asyncio task per message. An asynchronous one (or a
+call made while an earlier direct one is still running) runs the same
+exchange in the engine's direct thread. Direct jobs take turns, one at a
+time in call order, which is the same order on every rank; so the
+messages on each socket come in sequence order.
+
+What the loop's path guarantees holds here too:
+
+- every message carries its sender's descriptor, checked as a ring's is;
+  a rank that ran the collective another way (a size on the other side of
+  the threshold) is found through the plane's signals and named;
+- a peer whose process ends is found by its socket's end, after its last
+  report through the plane has had a moment to land;
+- a peer that sends nothing for the idle timeout is pinged: one that does
+  not answer is named as stuck; the collective deadline still applies;
+- a refusal, a break or a close reaches the waiting thread through the
+  plane's wake socket, and the failure policy decides what is raised, on
+  the loop, as for every other collective.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import select
+import socket
+import struct
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import torch
+
+from .descriptor import describe_mismatch
+from .errors import CollectiveTimeoutError, Evidence, FerroGrpcError, PeerError, ProtocolError
+from .jobs import Job
+from .lane import LaneContext, bytes_view
+from .local import BEGIN, LocalPlane, split_small
+from .small import finish, is_small, plan
+from .v1 import collective_pb2 as pb
+
+T = TypeVar("T")
+
+# A small collective whose messages are at most this many bytes, on one
+# host, runs on the direct sockets. At most two such messages are in flight
+# on a socket each way (a rank runs one direct job at a time, and finishes
+# only once it has read its peers' messages), well within a socket's buffer:
+# two ranks that both send before they read never wait for each other.
+DIRECT_BYTES = 64 << 10
+DIRECT_KINDS = frozenset(
+    (pb.ALL_REDUCE, pb.BARRIER, pb.BROADCAST, pb.ALL_GATHER, pb.REDUCE_SCATTER)
+)
+
+# A message's head: the bytes after the head, the collective's seq, and the
+# length of the sender's serialized descriptor (which comes next).
+_HEAD = struct.Struct("<IQH")
+
+# How long a rank whose peer's direct socket ended waits for that peer's
+# last report through the plane (its abort travels on the signal socket).
+REPORT_WAIT_S = 1.0
+
+
+def is_direct(desc: pb.Descriptor, itemsize: int) -> bool:
+    """Whether a collective runs on the direct sockets: its largest message
+    (a rank's block for all-gather and reduce-scatter, the whole tensor
+    otherwise) is at most DIRECT_BYTES, and it is small (small.py)."""
+    if desc.kind not in DIRECT_KINDS or not is_small(desc, itemsize):
+        return False
+    nbytes = desc.numel * itemsize
+    if desc.kind in (pb.ALL_GATHER, pb.REDUCE_SCATTER):
+        nbytes = -(-nbytes // desc.world_size)
+    return nbytes <= DIRECT_BYTES
+
+
+class DeadlinePassedError(Exception):
+    """A direct job ran past the collective deadline (the loop declares it)."""
+
+
+class DirectCall(Coroutine[Any, Any, T]):
+    """The coroutine of a direct collective, which a synchronous caller may
+    instead run in its own thread with :meth:`run_now`."""
+
+    def __init__(
+        self, coro: Coroutine[Any, Any, T], now: Callable[[], tuple[bool, T | None]]
+    ) -> None:
+        self._coro = coro
+        self._now = now
+
+    def send(self, value: Any) -> Any:
+        return self._coro.send(value)
+
+    def throw(self, *args: Any) -> Any:
+        return self._coro.throw(*args)
+
+    def close(self) -> None:
+        self._coro.close()
+
+    def __await__(self) -> Any:
+        return self._coro.__await__()
+
+    def run_now(self) -> tuple[bool, T | None]:
+        """Run the collective in this thread if it is its turn: (True, its
+        result), or (False, None) to run it as a coroutine instead. Raises
+        what the collective raises."""
+        try:
+            done, value = self._now()
+        except BaseException:
+            self._coro.close()
+            raise
+        if done:
+            self._coro.close()
+        return done, value
+
+
+class Direct:
+    """This rank's end of the direct sockets (see the module docstring)."""
+
+    def __init__(
+        self,
+        ctx: LaneContext,
+        plane: LocalPlane,
+        check_open: Callable[[], None],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.ctx = ctx
+        self.me = ctx.identity
+        self.plane = plane
+        self.check_open = check_open
+        self.loop = loop
+        self.socks: dict[int, socket.socket] = {}
+        for rank, link in plane.links.items():
+            assert link.direct is not None
+            # A message half-sent or half-read for this long means a stuck peer.
+            link.direct.settimeout(ctx.timeouts.idle)
+            self.socks[rank] = link.direct
+        self._rank_of = {sock: rank for rank, sock in self.socks.items()}
+        # Messages that came ahead of their collective: from a rank that
+        # skipped the one this rank waits in (it refused it).
+        self._early: dict[tuple[int, int], tuple[bytes, memoryview]] = {}
+        # Runs asynchronous direct jobs; one at a time, by their turns.
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, "ferrogrpc-direct")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+
+    # ----------------------------------------------------------- running
+
+    def run(self, job: Job) -> tuple[int, int]:
+        """Run ``job`` (blocking; in its turn); return the element range it
+        produced. Raises FerroGrpcError, or DeadlinePassedError."""
+        me = self.me
+        outgoing, expect = plan(job, me.rank, me.world_size, None)
+        got = self._exchange(job, outgoing, expect)
+        return finish(job, me.rank, me.world_size, got, None)
+
+    def on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the loop and wait for it (from another thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def _exchange(
+        self, job: Job, outgoing: dict[int, torch.Tensor], expect: dict[int, int]
+    ) -> dict[int, memoryview]:
+        plane, seq = self.plane, job.seq
+        plane.direct_seq = seq
+        desc = job.descriptor.SerializeToString()
+        for dst, data in outgoing.items():
+            self._send(job, dst, desc, bytes_view(data))
+        got: dict[int, memoryview] = {}
+        for src in list(expect):
+            early = self._early.pop((src, seq), None)
+            if early is not None:
+                got[src] = self._accept(job, src, desc, early, expect[src])
+        pending = set(expect) - set(got)
+        skipped: set[int] = set()  # ranks whose next message is for a later seq
+        idle, deadline_s = self.ctx.timeouts.idle, self.ctx.timeouts.collective
+        start = progress = time.monotonic()
+        wake = plane.wake_r
+        while pending:
+            self._check(job, pending)
+            now = time.monotonic()
+            if now - start >= deadline_s:
+                raise DeadlinePassedError()
+            if now - progress >= idle:
+                self._ping(job, pending, idle)
+                progress = time.monotonic()
+                continue
+            waits: list[socket.socket] = [self.socks[r] for r in pending - skipped]
+            timeout = min(idle - (now - progress), deadline_s - (now - start))
+            try:
+                readable, _, _ = select.select([wake, *waits], [], [], timeout)
+            except (OSError, ValueError):  # a socket closed under us: closing
+                self.check_open()
+                raise
+            for sock in readable:
+                if sock is wake:
+                    self._drain_wake()
+                    continue
+                src = self._rank_of[sock]
+                their_seq, message = self._read(job, src)
+                if their_seq < seq:
+                    continue  # a collective this rank did not run (refused): dropped
+                if their_seq > seq:
+                    self._early[(src, their_seq)] = message
+                    skipped.add(src)  # it skipped this one: a refusal is on its way
+                    continue
+                got[src] = self._accept(job, src, desc, message, expect[src])
+                pending.discard(src)
+                progress = time.monotonic()
+        self.ctx.stats.bytes_local += sum(m.nbytes for m in got.values())
+        return got
+
+    # ----------------------------------------------------------- messages
+
+    def _send(self, job: Job, dst: int, desc: bytes, view: memoryview) -> None:
+        head = _HEAD.pack(len(desc) + view.nbytes, job.seq, len(desc)) + desc
+        sock = self.socks[dst]
+        try:
+            sent = sock.sendmsg([head, view])
+            total = len(head) + view.nbytes
+            if sent < total:  # the rest, in order
+                rest = (head + bytes(view))[sent:]
+                sock.sendall(rest)
+        except TimeoutError:
+            raise self._stuck(job, dst, "to accept a message") from None
+        except OSError as exc:
+            raise self._gone(job, dst, exc) from None
+
+    def _read(self, job: Job, src: int) -> tuple[int, tuple[bytes, memoryview]]:
+        sock = self.socks[src]
+        try:
+            head = self._recv_exactly(sock, _HEAD.size)
+            length, seq, dlen = _HEAD.unpack(head)
+            payload = self._recv_exactly(sock, length)
+        except TimeoutError:
+            raise self._stuck(job, src, "the rest of a message from") from None
+        except (ConnectionError, OSError, EOFError) as exc:
+            raise self._gone(job, src, exc) from None
+        view = memoryview(payload)
+        return seq, (bytes(view[:dlen]), view[dlen:])
+
+    @staticmethod
+    def _recv_exactly(sock: socket.socket, n: int) -> bytearray:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = sock.recv_into(view[got:])
+            if k == 0:
+                raise EOFError("the socket ended")
+            got += k
+        return buf
+
+    def _accept(
+        self,
+        job: Job,
+        src: int,
+        desc: bytes,
+        message: tuple[bytes, memoryview],
+        nbytes: int,
+    ) -> memoryview:
+        theirs, data = message
+        if theirs != desc:
+            raise self._mismatch(job, src, pb.Descriptor.FromString(theirs), "disagrees")
+        if data.nbytes != nbytes:
+            raise self._mismatch(
+                job,
+                src,
+                job.descriptor,
+                f"sent {data.nbytes} bytes for {job.name}#{job.seq}; this rank expected {nbytes}",
+            )
+        return data
+
+    # ----------------------------------------------------------- stopping
+
+    def _check(self, job: Job, pending: set[int]) -> None:
+        """Raise if ``job`` must stop: closed or broken here, stopped from the
+        loop, refused by some rank, the plane failed, or a pending peer ran
+        the collective through the plane instead."""
+        self.check_open()
+        if job.stopped is not None:
+            raise job.stopped
+        failure = self.ctx.failure
+        refusal = failure.refusal(job.name, job.seq)
+        if refusal is not None:
+            raise refusal
+        failed = self.plane.failed
+        if failed is not None:
+            raise self.me.stamp(failed, job.name, job.seq)
+        for src in pending:
+            fut = self.plane.links[src].first.get(job.seq)
+            if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
+                continue
+            kind, payload = fut.result()
+            if kind == BEGIN:
+                theirs = pb.Descriptor.FromString(payload)
+                raise self._mismatch(job, src, theirs, "ran it through shared segments")
+            theirs = pb.Descriptor.FromString(split_small(payload)[0])
+            raise self._mismatch(job, src, theirs, "ran it as a larger small collective")
+
+    def _drain_wake(self) -> None:
+        try:
+            while self.plane.wake_r.recv(4096):
+                pass
+        except OSError:
+            pass  # nothing more (or closed)
+
+    def _mismatch(self, job: Job, src: int, theirs: pb.Descriptor, what: str) -> FerroGrpcError:
+        found = describe_mismatch(job.descriptor, theirs, self.me.rank, src)
+        return self.me.error(
+            ProtocolError, found or f"rank {src} {what}", op=job.name, seq=job.seq, peer=src
+        )
+
+    def _gone(self, job: Job, src: int, exc: BaseException) -> FerroGrpcError:
+        """``src``'s direct socket ended: this rank closed, or its process is
+        gone. What it reported through the plane before it went, if anything,
+        is the cause."""
+        self.check_open()
+        failure = self.ctx.failure
+        end = time.monotonic() + REPORT_WAIT_S
+        while self.plane.failed is None and failure.broken is None:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            select.select([self.plane.wake_r], [], [], left)
+            self._drain_wake()
+        self._check(job, set())
+        return self.me.error(
+            PeerError,
+            f"rank {src} on this host is gone: its direct socket closed ({exc})",
+            op=job.name,
+            seq=job.seq,
+            peer=src,
+            evidence=Evidence.UNREACHABLE,
+        )
+
+    def _stuck(self, job: Job, peer: int, what: str) -> FerroGrpcError:
+        idle = self.ctx.timeouts.idle
+        return self.me.error(
+            CollectiveTimeoutError,
+            f"waited {idle:g}s for rank {peer} ({self.me.address_of(peer)}) {what}: it is stuck",
+            op=job.name,
+            seq=job.seq,
+            peer=peer,
+        )
+
+    def _ping(self, job: Job, pending: set[int], idle: float) -> None:
+        """No message for the idle timeout: name a pending peer whose loop
+        does not answer a ping (stuck); the others are only waiting."""
+        for peer in sorted(pending):
+            try:
+                self.on_loop(self.ctx.transport.ping(peer, timeout=idle))
+            except FerroGrpcError as exc:
+                raise self.me.error(
+                    CollectiveTimeoutError,
+                    f"waited {idle:g}s for {job.name}#{job.seq} from rank {peer} "
+                    f"({self.me.address_of(peer)}), which does not answer: it is stuck "
+                    f"({exc.message})",
+                    op=job.name,
+                    seq=job.seq,
+                    peer=peer,
+                ) from None

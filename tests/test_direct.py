@@ -1,0 +1,216 @@
+"""Small collectives on one host run on the direct sockets (direct.py): in
+the calling thread for a blocking call, in the engine's direct thread for
+``async_op=True``; results against float64 references, and every failure
+guarantee of the loop's path (mismatch across the threshold, a refusal, a
+killed peer, a stopped one) in real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import ferrogrpc as fg
+from ferrogrpc.direct import DIRECT_BYTES
+from tests.helpers import ServedJob, backends, on_ranks
+
+pytestmark = pytest.mark.timeout(90)
+
+WORLD = 3
+
+
+def _spy(backend: fg.Backend, seen: list[tuple[str, int]]) -> None:
+    """Record which thread runs each direct job of ``backend``."""
+    direct = backend.peer._engine.direct
+    assert direct is not None, "every rank is on this host: small collectives must go direct"
+    run = direct.run
+
+    def spying(job: Any) -> Any:
+        seen.append((threading.current_thread().name, job.seq))
+        return run(job)
+
+    direct.run = spying  # type: ignore[method-assign]
+
+
+def _inputs(rank: int, step: int, numel: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(numel, generator=g, dtype=torch.float64)
+
+
+def test_every_direct_kind_against_float64_and_in_the_callers_thread() -> None:
+    group = backends(WORLD)
+    threads: list[list[tuple[str, int]]] = [[] for _ in range(WORLD)]
+    for backend, seen in zip(group, threads, strict=True):
+        _spy(backend, seen)
+    try:
+
+        def work(rank: int) -> str:
+            b = group[rank]
+            me = threading.current_thread().name
+            numel = 7
+            xs = [_inputs(r, 1, numel) for r in range(WORLD)]
+            t = xs[rank].clone()
+            b.all_reduce(t)
+            torch.testing.assert_close(t, torch.stack(xs).sum(0), rtol=0, atol=1e-12)
+            t = xs[rank].clone()
+            b.all_reduce(t, "max")
+            torch.testing.assert_close(t, torch.stack(xs).amax(0), rtol=0, atol=0)
+            t = xs[rank].clone()
+            b.all_reduce(t, "mean")
+            torch.testing.assert_close(t, torch.stack(xs).mean(0), rtol=0, atol=1e-12)
+            t = xs[rank].clone()
+            b.broadcast(t, root=2)
+            torch.testing.assert_close(t, xs[2], rtol=0, atol=0)
+            gathered = b.all_gather(xs[rank])
+            for r in range(WORLD):
+                torch.testing.assert_close(gathered[r], xs[r], rtol=0, atol=0)
+            full = [_inputs(r, 2, 3 * WORLD) for r in range(WORLD)]
+            part = b.reduce_scatter(full[rank])
+            ref = torch.stack(full).sum(0).tensor_split(WORLD)[rank]
+            torch.testing.assert_close(part, ref, rtol=0, atol=1e-12)
+            b.barrier()
+            # The largest all_reduce that goes direct, and one byte-count over.
+            for n in (DIRECT_BYTES // 8, DIRECT_BYTES // 8 + 1):
+                ys = [_inputs(r, 3, n) for r in range(WORLD)]
+                t = ys[rank].clone()
+                b.all_reduce(t)
+                torch.testing.assert_close(t, torch.stack(ys).sum(0), rtol=0, atol=1e-12)
+            return me
+
+        callers = on_ranks(work, WORLD)
+        for rank, seen in enumerate(threads):
+            # Eight direct collectives, each run by the rank's calling thread.
+            assert [name for name, _ in seen] == [callers[rank]] * 8, seen
+    finally:
+        for b in group:
+            b.close()
+
+
+def test_async_and_blocking_direct_calls_keep_call_order() -> None:
+    group = backends(2)
+    threads: list[list[tuple[str, int]]] = [[], []]
+    for backend, seen in zip(group, threads, strict=True):
+        _spy(backend, seen)
+    try:
+
+        def work(rank: int) -> None:
+            b = group[rank]
+            a = torch.full((4,), float(rank + 1))
+            c = torch.full((4,), float(10 * (rank + 1)))
+            first = b.all_reduce(a, async_op=True)
+            # Not its turn until the first has finished: it goes through the
+            # loop, and both finish with their own results.
+            b.all_reduce(c)
+            first.wait()
+            assert a.tolist() == [3.0] * 4, a
+            assert c.tolist() == [30.0] * 4, c
+            # The same tensor twice: the second sees the first's result.
+            d = torch.full((2,), float(rank + 1))
+            works = [b.all_reduce(d, async_op=True) for _ in range(3)]
+            for w in works:
+                w.wait()
+            assert d.tolist() == [3.0 * 4] * 2, d
+
+        on_ranks(work, 2)
+        for seen in threads:
+            seqs = [seq for _, seq in seen]
+            assert seqs == sorted(seqs), seen
+            assert any(name.startswith("ferrogrpc-direct") for name, _ in seen), seen
+    finally:
+        for b in group:
+            b.close()
+
+
+@pytest.mark.parametrize("other", [40_000, 1 << 20])
+def test_a_size_across_the_threshold_is_a_protocol_error_on_both_ranks(other: int) -> None:
+    # Rank 0's all_reduce goes direct; rank 1's (160 KB: a small collective
+    # through the loop; 4 MB: rounds through shared segments) does not.
+    group = backends(2)
+    try:
+
+        def work(rank: int) -> str:
+            t = torch.ones(16 if rank == 0 else other)
+            start = time.monotonic()
+            with pytest.raises(fg.ProtocolError) as info:
+                group[rank].all_reduce(t)
+            assert time.monotonic() - start < 10
+            return str(info.value)
+
+        messages = on_ranks(work, 2)
+        for rank, message in enumerate(messages):
+            assert f"rank {rank}/2" in message and "all_reduce" in message, message
+            assert "16" in message and str(other) in message, message
+    finally:
+        for b in group:
+            b.close()
+
+
+def _ask(job: ServedJob, ranks: list[int], command: str) -> list[str]:
+    for r in ranks:
+        proc = job.procs[r]
+        assert proc.stdin is not None
+        proc.stdin.write(command + "\n")
+        proc.stdin.flush()
+    return [job._line(r) for r in ranks]
+
+
+@pytest.mark.timeout(120)
+def test_a_refusal_then_direct_calls_go_on(report: Callable[[str], None]) -> None:
+    # Rank 1 refuses (MEAN of ints); rank 0's message for that collective is
+    # left unread on rank 1's direct socket, and dropped by its next call.
+    with ServedJob(2) as job:
+        assert all(a.startswith("OK") for a in job.command("small 5"))
+        answers = job.send(["all_reduce_int sum", "all_reduce_int mean"])
+        assert answers[0].startswith("ConfigError [rank 0/2 all_reduce#"), answers
+        assert "rank 1's own argument checks" in answers[0], answers
+        for _ in range(3):
+            for answer in job.command("small 1000"):
+                word, error = answer.split()
+                assert word == "OK" and float(error) < 1e-12, answers
+        report("direct path: a refusal, then three direct all_reduces, all correct")
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_is_named_in_a_direct_wait(report: Callable[[str], None]) -> None:
+    with ServedJob(3) as job:
+        for answer in job.command("small 3"):
+            assert answer.startswith("OK"), answer
+        os.kill(job.pids[2], signal.SIGKILL)
+        job.procs[2].wait()
+        start = time.monotonic()
+        answers = _ask(job, [0, 1], "small 3")
+        took = time.monotonic() - start
+        for rank, answer in enumerate(answers):
+            assert answer.startswith("PeerError"), answers
+            assert f"rank {rank}/3" in answer and "peer 2" in answer, answers
+            assert "gone" in answer, answers
+        assert took < 10, took
+        report(f"direct path: a SIGKILLed rank named by the others in {took:.2f} s")
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_rank_is_named_as_stuck(report: Callable[[str], None]) -> None:
+    idle = 2.0
+    with ServedJob(3, FERROGRPC_IDLE_TIMEOUT=str(idle)) as job:
+        for answer in job.command("small 3"):
+            assert answer.startswith("OK"), answer
+        os.kill(job.pids[2], signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            answers = _ask(job, [0, 1], "small 3")
+            took = time.monotonic() - start
+        finally:
+            os.kill(job.pids[2], signal.SIGKILL)
+        for answer in answers:
+            assert answer.startswith("CollectiveTimeoutError"), answers
+            assert "peer 2" in answer, answers
+        assert "stuck" in answers[0] or "stuck" in answers[1], answers
+        # Named after about an idle timeout and a ping's, not the deadline.
+        assert took < 4 * idle + 5, took
+        report(f"direct path: a SIGSTOPped rank named as stuck in {took:.2f} s (idle {idle} s)")
