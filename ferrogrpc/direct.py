@@ -182,8 +182,13 @@ class Direct:
         idle, deadline_s = self.ctx.timeouts.idle, self.ctx.timeouts.collective
         start = progress = time.monotonic()
         wake = plane.wake_r
+        first = True
         while pending:
-            self._check(job, pending)
+            # What has arrived is read before any reason to stop is looked
+            # at: a peer that finished and closed has sent all it had to.
+            if not first:
+                self._check(job, pending)
+            first = False
             now = time.monotonic()
             if now - start >= deadline_s:
                 raise DeadlinePassedError()
@@ -291,7 +296,11 @@ class Direct:
         if refusal is not None:
             raise refusal
         failed = self.plane.failed
-        if failed is not None:
+        # A local peer that closed is only a cause if this rank still waits
+        # for it (it finished; its messages were read first); a report is.
+        if failed is not None and (
+            failed.evidence is not Evidence.UNREACHABLE or failed.peer in pending
+        ):
             raise self.me.stamp(failed, job.name, job.seq)
         for src in pending:
             fut = self.plane.links[src].first.get(job.seq)

@@ -144,9 +144,8 @@ class LocalPlane:
         self._proof = nonce  # what this rank's hello presents (see connect())
         # Sequence numbers of collectives no rank will run here (forget()).
         self._forgotten: collections.OrderedDict[int, None] = collections.OrderedDict()
-        # Wakes a thread waiting on the direct sockets (see wake()); and the
-        # collective it waits in, whose first message through the loop's
-        # signals (a peer that ran it another way) must wake it too.
+        # Wakes a thread waiting on the direct sockets (wake()), as does a first
+        # message through the signals for the collective it waits in.
         self.wake_r, self._wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -459,15 +458,11 @@ class LocalPlane:
         for link in self.links.values():
             if link.task is not None:
                 await asyncio.gather(link.task, return_exceptions=True)
-        for link in self.links.values():
-            if link.direct is not None:
-                # A thread still waiting on it sees its end; then it goes.
-                with contextlib.suppress(OSError):
-                    link.direct.shutdown(socket.SHUT_RDWR)
-        self.wake()
-        for link in self.links.values():
-            if link.direct is not None:
-                link.direct.close()
+        directs = [link.direct for link in self.links.values() if link.direct is not None]
+        for sock in directs:  # a thread still waiting on one sees its end; then it goes
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
         self.links.clear()
         self.listener.close()
         self.wake_r.close()

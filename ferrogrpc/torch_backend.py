@@ -20,6 +20,7 @@ those it does: ``reduce`` is an all_reduce (every rank gets the result),
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import datetime
 import json
@@ -32,7 +33,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Work as _TorchWork
 
 from .backend import Backend
-from .errors import ConfigError, RendezvousError
+from .direct import DirectCall
+from .errors import ConfigError, FerroGrpcError, RendezvousError
 from .rendezvous import Activity, RendezvousResult
 from .settings import MASTER_ADDR_ENV, Settings
 from .startup import start_backend
@@ -191,6 +193,22 @@ class FerroProcessGroup(dist.ProcessGroup):
         assert isinstance(work, Work)
         return FerroWork(work)
 
+    def _now_or_run(self, name: str, coro: Coroutine[Any, Any, Any], value: Any) -> Any:
+        """A small collective on one host whose turn it is runs now, in this
+        thread (direct.py), and torch gets a completed Work (its error, if
+        any, raised by ``wait()``); any other runs on the backend's loop."""
+        if isinstance(coro, DirectCall):
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            try:
+                done, _ = coro.run_now()
+            except FerroGrpcError as exc:
+                future.set_exception(exc)
+                return FerroWork(Work(future, name))
+            if done:
+                future.set_result(value)
+                return FerroWork(Work(future, name))
+        return self._run(name, _returning(coro, value))
+
     def _peer_call(self, name: str, make: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
         async def run() -> Any:
             return await make()
@@ -203,7 +221,7 @@ class FerroProcessGroup(dist.ProcessGroup):
         op = opts.reduceOp if opts is not None else "sum"
         peer = self.backend.peer
         if len(tensors) == 1:
-            return self._run("all_reduce", _returning(peer.all_reduce(tensors[0], op), tensors))
+            return self._now_or_run("all_reduce", peer.all_reduce(tensors[0], op), tensors)
         return self._run("all_reduce", _returning(peer.all_reduce_coalesced(tensors, op), tensors))
 
     def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> Any:
@@ -264,7 +282,7 @@ class FerroProcessGroup(dist.ProcessGroup):
 
     def _allgather_base(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
         coro = self.backend.peer.all_gather_into_tensor(out, inp)
-        return self._run("all_gather_into_tensor", coro)
+        return self._now_or_run("all_gather_into_tensor", coro, out)
 
     all_gather_single = _allgather_base
 
@@ -296,10 +314,8 @@ class FerroProcessGroup(dist.ProcessGroup):
         return self._run("reduce_scatter", run())
 
     def _reduce_scatter_base(self, out: torch.Tensor, inp: torch.Tensor, opts: Any) -> Any:
-        return self._run(
-            "reduce_scatter_tensor",
-            self.backend.peer.reduce_scatter_tensor(out, inp, opts.reduceOp),
-        )
+        coro = self.backend.peer.reduce_scatter_tensor(out, inp, opts.reduceOp)
+        return self._now_or_run("reduce_scatter_tensor", coro, out)
 
     reduce_scatter_single = _reduce_scatter_base
 
@@ -385,7 +401,7 @@ class FerroProcessGroup(dist.ProcessGroup):
     all_to_all_single = alltoall_base
 
     def barrier(self, opts: Any = None) -> Any:
-        return self._run("barrier", self.backend.peer.barrier())
+        return self._now_or_run("barrier", self.backend.peer.barrier(), None)
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None

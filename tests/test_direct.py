@@ -214,3 +214,33 @@ def test_a_stopped_rank_is_named_as_stuck(report: Callable[[str], None]) -> None
         # Named after about an idle timeout and a ping's, not the deadline.
         assert took < 4 * idle + 5, took
         report(f"direct path: a SIGSTOPped rank named as stuck in {took:.2f} s (idle {idle} s)")
+
+
+def test_a_peer_that_finished_and_closed_has_sent_all_it_had_to() -> None:
+    # Ranks 0 and 2 finish and close while rank 1 has not read their
+    # messages yet (it pauses after sending): rank 1 still completes, with
+    # the right sum, instead of reporting a closed peer as gone.
+    group = backends(3)
+    direct = group[1].peer._engine.direct
+    assert direct is not None
+    send = direct._send
+
+    def slow_send(job: Any, dst: int, desc: bytes, view: memoryview) -> None:
+        send(job, dst, desc, view)
+        if dst == 2:  # the last one
+            time.sleep(1.5)
+
+    direct._send = slow_send  # type: ignore[method-assign]
+
+    def work(rank: int) -> list[float]:
+        t = torch.full((3,), float(rank + 1))
+        group[rank].all_reduce(t)
+        if rank != 1:
+            group[rank].close()
+        return t.tolist()
+
+    try:
+        assert on_ranks(work, 3) == [[6.0] * 3] * 3
+    finally:
+        for b in group:
+            b.close()
