@@ -19,10 +19,11 @@ _FIELDS = (
     ("reduce_op", wire_op_name),
     ("root", str),
     ("world_size", str),
+    # Before the cutting it implies: a chunk's elements follow the wire dtype.
+    ("wire_dtype", lambda code: wire_dtype_name(code) if code else "none"),
     ("lanes", str),
     ("chunk_elems", str),
     ("checksum", integrity.kind_name),
-    ("wire_dtype", lambda code: wire_dtype_name(code) if code else "none"),
 )
 
 _REDUCING = (pb.ALL_REDUCE, pb.REDUCE_SCATTER)
@@ -54,7 +55,9 @@ def make_descriptor(
         root=root,
         world_size=world_size,
         lanes=lanes,
-        chunk_elems=schedule.chunk_elems_for(chunk_bytes, itemsize),
+        # A chunk is chunk_bytes on the wire: in a narrower wire dtype it holds
+        # more elements (fewer messages, each costing the same per message).
+        chunk_elems=schedule.chunk_elems_for(chunk_bytes, wire.itemsize if wire else itemsize),
         checksum=integrity.checksum_kind(checksum),  # type: ignore[arg-type]
         wire_dtype=DTYPE_TO_WIRE[wire] if wire is not None else 0,  # type: ignore[arg-type]
     )

@@ -374,9 +374,9 @@ class LaneRunner:
             nbytes = payload.nbytes
             if stage is not None:
                 await stage.ready(item.lo, item.hi)
+            # In the wire dtype, if any: the reductions and copies below read
+            # it as it is (torch converts on the fly: no widened copy).
             incoming = torch.frombuffer(payload, dtype=wire_dtype) if nbytes else None
-            if incoming is not None and self.wire is not None:
-                incoming = incoming.to(dtype)
             # No backpressure from our own sender here: waiting for it while
             # it waits for the right neighbour's receiver would close a cycle
             # around the ring.

@@ -196,7 +196,7 @@ def test_a_killed_rank_is_named_in_a_direct_wait(report: Callable[[str], None]) 
 
 @pytest.mark.timeout(120)
 def test_a_stopped_rank_is_named_as_stuck(report: Callable[[str], None]) -> None:
-    idle = 2.0
+    idle = 1.0
     with ServedJob(3, FERROGRPC_IDLE_TIMEOUT=str(idle)) as job:
         for answer in job.command("small 3"):
             assert answer.startswith("OK"), answer

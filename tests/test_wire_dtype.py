@@ -201,3 +201,18 @@ def test_ddp_compression_is_checked() -> None:
         pytest.raises(fg.ConfigError, match="compression must be"),
     ):
         fg.DDP(torch.nn.Linear(2, 2), backend, compression="int8")
+
+
+def test_a_chunk_is_as_many_bytes_on_the_wire_in_a_narrower_dtype() -> None:
+    # Fewer messages for the same bytes: in bfloat16 a chunk holds twice the
+    # float32 elements (each message costs the same fixed amount).
+    from ferrogrpc.descriptor import make_descriptor
+    from ferrogrpc.ops import ReduceOp
+    from ferrogrpc.v1 import collective_pb2 as pb
+
+    buf = torch.ones(1 << 20)
+    args = (pb.ALL_REDUCE, buf, ReduceOp.SUM, 0, 2, (1 << 20, 1), 1 << 30, None)
+    plain = make_descriptor(*args)
+    narrow = make_descriptor(*args, torch.bfloat16)
+    assert plain.chunk_elems == (1 << 20) // 4
+    assert narrow.chunk_elems == 2 * plain.chunk_elems
