@@ -62,6 +62,9 @@ DIRECT_KINDS = frozenset(
 # length of the sender's serialized descriptor (which comes next).
 _HEAD = struct.Struct("<IQH")
 
+# The most one read takes from a direct socket.
+RECV_BYTES = 256 << 10
+
 # How long a rank whose peer's direct socket ended waits for that peer's
 # last report through the plane (its abort travels on the signal socket).
 REPORT_WAIT_S = 1.0
@@ -137,9 +140,11 @@ class Direct:
         self.socks: dict[int, socket.socket] = {}
         for rank, link in plane.links.items():
             assert link.direct is not None
-            # A message half-sent or half-read for this long means a stuck peer.
-            link.direct.settimeout(ctx.timeouts.idle)
             self.socks[rank] = link.direct
+        # What each socket delivered past its last whole message, and the
+        # buffer every read lands in first (one read takes a small message whole).
+        self._inbuf = {rank: bytearray() for rank in self.socks}
+        self._scratch = memoryview(bytearray(RECV_BYTES))
         self._rank_of = {sock: rank for rank, sock in self.socks.items()}
         # Messages that came ahead of their collective: from a rank that
         # skipped the one this rank waits in (it refused it).
@@ -208,59 +213,74 @@ class Direct:
                     self._drain_wake()
                     continue
                 src = self._rank_of[sock]
-                their_seq, message = self._read(job, src)
-                if their_seq < seq:
-                    continue  # a collective this rank did not run (refused): dropped
-                if their_seq > seq:
-                    self._early[(src, their_seq)] = message
-                    skipped.add(src)  # it skipped this one: a refusal is on its way
-                    continue
-                got[src] = self._accept(job, src, desc, message, expect[src])
-                pending.discard(src)
-                progress = time.monotonic()
+                for their_seq, message in self._pull(job, src):
+                    if their_seq < seq:
+                        continue  # a collective this rank did not run (refused): dropped
+                    if their_seq == seq and src not in pending:
+                        raise self._mismatch(
+                            job, src, job.descriptor, f"sent {job.name}#{seq} twice"
+                        )
+                    if their_seq > seq:
+                        self._early[(src, their_seq)] = message
+                        skipped.add(src)  # it skipped this one: a refusal is on its way
+                        continue
+                    got[src] = self._accept(job, src, desc, message, expect[src])
+                    pending.discard(src)
+                    progress = time.monotonic()
         self.ctx.stats.bytes_local += sum(m.nbytes for m in got.values())
         return got
 
     # ----------------------------------------------------------- messages
 
     def _send(self, job: Job, dst: int, desc: bytes, view: memoryview) -> None:
+        """Send one message to ``dst`` (a peer that takes none of it for
+        the idle timeout is stuck)."""
         head = _HEAD.pack(len(desc) + view.nbytes, job.seq, len(desc)) + desc
         sock = self.socks[dst]
+        parts = [memoryview(head), view]
         try:
-            sent = sock.sendmsg([head, view])
-            total = len(head) + view.nbytes
-            if sent < total:  # the rest, in order
-                rest = (head + bytes(view))[sent:]
-                sock.sendall(rest)
-        except TimeoutError:
-            raise self._stuck(job, dst, "to accept a message") from None
-        except OSError as exc:
+            while parts:
+                try:
+                    sent = sock.sendmsg(parts, [], socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                while parts and sent >= parts[0].nbytes:
+                    sent -= parts[0].nbytes
+                    parts.pop(0)
+                if parts:
+                    parts[0] = parts[0][sent:]
+                    _, writable, _ = select.select([], [sock], [], self.ctx.timeouts.idle)
+                    if not writable:
+                        raise self._stuck(job, dst, "to accept a message")
+        except (OSError, ValueError) as exc:
             raise self._gone(job, dst, exc) from None
 
-    def _read(self, job: Job, src: int) -> tuple[int, tuple[bytes, memoryview]]:
-        sock = self.socks[src]
+    def _pull(self, job: Job, src: int) -> list[tuple[int, tuple[bytes, memoryview]]]:
+        """Read what ``src``'s socket holds, without waiting; return the
+        messages it completed, as (seq, (descriptor, data)). A message's
+        rest that does not come is a stall, which the idle check catches."""
+        sock, buf = self.socks[src], self._inbuf[src]
         try:
-            head = self._recv_exactly(sock, _HEAD.size)
-            length, seq, dlen = _HEAD.unpack(head)
-            payload = self._recv_exactly(sock, length)
-        except TimeoutError:
-            raise self._stuck(job, src, "the rest of a message from") from None
-        except (ConnectionError, OSError, EOFError) as exc:
+            n = sock.recv_into(self._scratch, len(self._scratch), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return []
+        except (OSError, ValueError) as exc:
             raise self._gone(job, src, exc) from None
-        view = memoryview(payload)
-        return seq, (bytes(view[:dlen]), view[dlen:])
-
-    @staticmethod
-    def _recv_exactly(sock: socket.socket, n: int) -> bytearray:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = sock.recv_into(view[got:])
-            if k == 0:
-                raise EOFError("the socket ended")
-            got += k
-        return buf
+        if n == 0:
+            raise self._gone(job, src, EOFError("the socket ended"))
+        buf += self._scratch[:n]
+        out = []
+        at = 0
+        while len(buf) - at >= _HEAD.size:
+            length, seq, dlen = _HEAD.unpack_from(buf, at)
+            end = at + _HEAD.size + length
+            if len(buf) < end:
+                break
+            payload = memoryview(bytes(buf[at + _HEAD.size : end]))
+            out.append((seq, (bytes(payload[:dlen]), payload[dlen:])))
+            at = end
+        del buf[:at]
+        return out
 
     def _accept(
         self,
