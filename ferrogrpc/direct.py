@@ -49,11 +49,10 @@ from .v1 import collective_pb2 as pb
 T = TypeVar("T")
 
 # A small collective whose messages are at most this many bytes, on one
-# host, runs on the direct sockets. At most two such messages are in flight
-# on a socket each way (a rank runs one direct job at a time, and finishes
-# only once it has read its peers' messages), well within a socket's buffer:
-# two ranks that both send before they read never wait for each other.
-DIRECT_BYTES = 64 << 10
+# host, runs on the direct sockets (every small one: see small.py). A rank
+# whose send finds the socket full reads from it meanwhile, so two ranks
+# that both send before they read never wait for each other.
+DIRECT_BYTES = 256 << 10
 DIRECT_KINDS = frozenset(
     (pb.ALL_REDUCE, pb.BARRIER, pb.BROADCAST, pb.ALL_GATHER, pb.REDUCE_SCATTER)
 )
@@ -249,9 +248,20 @@ class Direct:
                     parts.pop(0)
                 if parts:
                     parts[0] = parts[0][sent:]
-                    _, writable, _ = select.select([], [sock], [], self.ctx.timeouts.idle)
-                    if not writable:
+                    # Its socket is full: read what it sends meanwhile, so that
+                    # two ranks sending each other large messages never wait
+                    # on each other.
+                    readable, writable, _ = select.select(
+                        [sock], [sock], [], self.ctx.timeouts.idle
+                    )
+                    if readable:
+                        for seq, message in self._pull(job, dst):
+                            if seq >= job.seq:  # older: not run here (refused)
+                                self._early[(dst, seq)] = message
+                    elif not writable:
                         raise self._stuck(job, dst, "to accept a message")
+        except FerroGrpcError:
+            raise  # (a CollectiveTimeoutError is an OSError too)
         except (OSError, ValueError) as exc:
             raise self._gone(job, dst, exc) from None
 

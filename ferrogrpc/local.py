@@ -73,8 +73,8 @@ _FRAME = struct.Struct("<IBQ")  # payload length, kind, arg
 SLOT_BYTES = 16 << 20
 SLOTS = 2
 
-# The send buffer asked for on a direct socket (the kernel caps it): room for
-# the two messages of DIRECT_BYTES that can be in flight each way.
+# The send buffer asked for on a direct socket (the kernel caps it): room
+# for a small collective's message each way, so a send rarely waits.
 DIRECT_SNDBUF = 1 << 20
 
 # How long close() waits for signals still being written to be delivered.

@@ -129,8 +129,8 @@ def test_async_and_blocking_direct_calls_keep_call_order() -> None:
 
 @pytest.mark.parametrize("other", [40_000, 1 << 20])
 def test_a_size_across_the_threshold_is_a_protocol_error_on_both_ranks(other: int) -> None:
-    # Rank 0's all_reduce goes direct; rank 1's (160 KB: a small collective
-    # through the loop; 4 MB: rounds through shared segments) does not.
+    # Rank 0's all_reduce goes direct; rank 1's goes direct too but
+    # disagrees (160 KB), or does not (4 MB: rounds through shared segments).
     group = backends(2)
     try:
 
@@ -241,6 +241,38 @@ def test_a_peer_that_finished_and_closed_has_sent_all_it_had_to() -> None:
 
     try:
         assert on_ranks(work, 3) == [[6.0] * 3] * 3
+    finally:
+        for b in group:
+            b.close()
+
+
+def test_two_ranks_sending_each_other_more_than_a_socket_holds_never_wait_on_each_other() -> None:
+    # Socket buffers cut to a few KiB: both ranks' 256 KiB messages fill
+    # them at once, and each must read the other's while it sends its own.
+    import socket
+
+    from ferrogrpc.small import SMALL_BYTES
+
+    group = backends(2, timeouts=fg.Timeouts(idle=5, collective=20))
+    for b in group:
+        direct = b.peer._engine.direct
+        assert direct is not None
+        for sock in direct.socks.values():
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+
+        def work(rank: int) -> float:
+            start = time.monotonic()
+            for step in range(3):
+                xs = [_inputs(r, step, SMALL_BYTES // 8) for r in range(2)]
+                t = xs[rank].clone()
+                group[rank].all_reduce(t)
+                torch.testing.assert_close(t, xs[0] + xs[1], rtol=0, atol=0)
+            return time.monotonic() - start
+
+        took = on_ranks(work, 2)
+        assert max(took) < 5, took  # not an idle timeout's stall
     finally:
         for b in group:
             b.close()
