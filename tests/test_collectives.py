@@ -19,8 +19,11 @@ ALL_DTYPES = list(fg.SUPPORTED_DTYPES)
 SMALL = fg.ChunkPolicy(chunk_bytes=64, max_lanes=3, lane_min_bytes=256)
 
 
-@pytest.mark.parametrize("transport", ["memory", "grpc", "shm"])
-@pytest.mark.parametrize("world", [1, 2, 3, 5])
+# World 5 over gRPC is the held-forwards case below (its default transport).
+@pytest.mark.parametrize(
+    ("world", "transport"),
+    [(w, t) for w in (1, 2, 3, 5) for t in ("memory", "grpc", "shm") if (w, t) != (5, "grpc")],
+)
 async def test_conformance_every_dtype_and_shape(
     transport: str, world: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -130,7 +133,7 @@ async def test_string_ops_and_mean_on_integers_rejected() -> None:
     "hosts",
     [
         ["a", "a", "b", "b"],  # 2 hosts x 2 ranks
-        ["a", "a", "b"],  # 2 + 1
+        # 2 + 1: in real processes in test_multihost (network namespaces)
         ["a", "b", "b", "b"],  # 1 + 3
         ["a", "b", "a", "b"],  # ranks of a host not adjacent
         ["b", "a", "a"],
