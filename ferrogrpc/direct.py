@@ -325,14 +325,15 @@ class Direct:
         refusal = failure.refusal(job.name, job.seq)
         if refusal is not None:
             raise refusal
-        failed = self.plane.failed
-        # A local peer that closed is only a cause if this rank still waits
-        # for it (it finished; its messages were read first); a report is.
-        if failed is not None and (
-            failed.evidence is not Evidence.UNREACHABLE or failed.peer in pending
-        ):
+        failed = self.plane.failed  # a report through the plane
+        if failed is not None:
             raise self.me.stamp(failed, job.name, job.seq)
         for src in pending:
+            # A local peer that closed is only a cause if this rank still
+            # waits for it (it finished; its messages were read first).
+            gone = self.plane.links[src].gone
+            if gone is not None:
+                raise self.me.stamp(gone, job.name, job.seq)
             fut = self.plane.links[src].first.get(job.seq)
             if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
                 continue
@@ -363,13 +364,14 @@ class Direct:
         self.check_open()
         failure = self.ctx.failure
         end = time.monotonic() + REPORT_WAIT_S
-        while self.plane.failed is None and failure.broken is None:
+        link = self.plane.links[src]
+        while self.plane.failed is None and link.gone is None and failure.broken is None:
             left = end - time.monotonic()
             if left <= 0:
                 break
             select.select([self.plane.wake_r], [], [], left)
             self._drain_wake()
-        self._check(job, set())
+        self._check(job, {src})
         return self.me.error(
             PeerError,
             f"rank {src} on this host is gone: its direct socket closed ({exc})",

@@ -13,8 +13,8 @@ descriptor when a rank begins it, and per round "my slot is written",
 "my part is reduced", "I am done with your slots". The kernel orders a
 socket write after the writer's stores to shared memory, so a signal read is
 a promise that the data is there. A connection that ends without an abort
-message means its process is gone: every wait on the plane then fails at
-once, naming that rank.
+means its process is gone or closed: every wait for it fails at once. Each
+pair also shares a direct socket pair, for small collectives (direct.py).
 
 Two ranks share a host only when they share memory *and* a network
 namespace: their host keys (boot id and network namespace inode) are equal.
@@ -31,6 +31,7 @@ import mmap
 import os
 import socket
 import struct
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -73,9 +74,7 @@ _FRAME = struct.Struct("<IBQ")  # payload length, kind, arg
 SLOT_BYTES = 16 << 20
 SLOTS = 2
 
-# The send buffer asked for on a direct socket (the kernel caps it): room
-# for a small collective's message each way, so a send rarely waits.
-DIRECT_SNDBUF = 1 << 20
+DIRECT_SNDBUF = 1 << 20  # asked for on a direct socket (the kernel caps it)
 
 # How long close() waits for signals still being written to be delivered.
 CLOSE_FLUSH_S = 2.0
@@ -115,9 +114,9 @@ class _Link:
         self.first: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
         self.segment: torch.Tensor | None = None
         self.task: asyncio.Task[None] | None = None
-        # The blocking socket that small collectives use from a caller's
-        # thread (direct.py); None until connected.
-        self.direct: socket.socket | None = None
+        self.direct: socket.socket | None = None  # for direct.py
+        # Why its connection ended without an abort (gone, or closed).
+        self.gone: FerroGrpcError | None = None
 
 
 class LocalPlane:
@@ -335,15 +334,16 @@ class LocalPlane:
                     self._fail(self._report(pb.Abort.FromString(payload)))
                     return
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            # Built without this rank's identity: whoever waits stamps it with
-            # the collective it was waiting in.
-            self._fail(
-                PeerError(
-                    f"rank {link.rank} on this host is gone: its shared-memory connection closed",
-                    peer=link.rank,
-                    evidence=Evidence.UNREACHABLE,
-                )
+            # Only waits for this rank fail: one that finished and closed has
+            # sent all it had to, and others may still be finishing. Built
+            # without this rank's identity: whoever waits stamps it.
+            link.gone = PeerError(
+                f"rank {link.rank} on this host is gone: its shared-memory connection closed",
+                peer=link.rank,
+                evidence=Evidence.UNREACHABLE,
             )
+            _fail_waits(link, link.gone)
+            self.wake()
         except asyncio.CancelledError:
             raise
 
@@ -351,8 +351,9 @@ class LocalPlane:
         fut = link.first.get(seq)
         if fut is None:
             fut = link.first[seq] = asyncio.get_running_loop().create_future()
-            if self._failed is not None:
-                fut.set_exception(self._failed)
+            failed = self._failed or link.gone
+            if failed is not None:
+                fut.set_exception(failed)
                 fut.exception()
         return fut
 
@@ -363,12 +364,7 @@ class LocalPlane:
         self._failed = err
         self.wake()
         for link in self.links.values():
-            for counter in (link.written, link.reduced, link.done):
-                counter.fail(err)
-            for fut in link.first.values():
-                if not fut.done():
-                    fut.set_exception(err)
-                    fut.exception()
+            _fail_waits(link, err)
 
     def forget(self, seq: int) -> None:
         """Collective ``seq`` will not run on this rank (some rank refused
@@ -380,12 +376,11 @@ class LocalPlane:
             link.first.pop(seq, None)
 
     @property
-    def failed(self) -> FerroGrpcError | None:
+    def failed(self) -> FerroGrpcError | None:  # an abort, or a broken plane
         return self._failed
 
     def wake(self) -> None:
-        """Wake a thread waiting on the direct sockets, to look again at
-        why it might stop (thread-safe)."""
+        """Wake a thread waiting on the direct sockets (thread-safe)."""
         with contextlib.suppress(OSError):  # full (a wake is pending) or closed
             self._wake_w.send(b"w")
 
@@ -398,9 +393,8 @@ class LocalPlane:
 
     def next_round(self) -> int:
         """The next global round number (every local rank counts alike)."""
-        g = self.round
         self.round += 1
-        return g
+        return self.round - 1
 
     def announce(self, seq: int, descriptor: bytes) -> None:
         """Tell every local peer this rank began collective ``seq``."""
@@ -421,9 +415,10 @@ class LocalPlane:
 
     def send_small(self, rank: int, seq: int, descriptor: bytes, data: memoryview) -> None:
         """One small collective's message to ``rank``."""
-        if self._failed is not None:
-            raise self._failed
         link = self.links[rank]
+        failed = self._failed or link.gone
+        if failed is not None:
+            raise failed
         head = _DESC_LEN.pack(len(descriptor)) + descriptor
         frame = _FRAME.pack(len(head) + data.nbytes, SMALL, seq) + head
         if not link.writer.is_closing():
@@ -455,9 +450,8 @@ class LocalPlane:
                 await asyncio.wait_for(link.writer.wait_closed(), CLOSE_FLUSH_S)
             if link.task is not None:
                 link.task.cancel()
-        for link in self.links.values():
-            if link.task is not None:
-                await asyncio.gather(link.task, return_exceptions=True)
+        tasks = [link.task for link in self.links.values() if link.task is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
         directs = [link.direct for link in self.links.values() if link.direct is not None]
         for sock in directs:  # a thread still waiting on one sees its end; then it goes
             with contextlib.suppress(OSError):
@@ -478,6 +472,15 @@ class LocalPlane:
             self.fd = -1
 
 
+def _fail_waits(link: _Link, err: FerroGrpcError) -> None:
+    for counter in (link.written, link.reduced, link.done):
+        counter.fail(err)
+    for fut in link.first.values():
+        if not fut.done():
+            fut.set_exception(err)
+            fut.exception()
+
+
 def split_small(payload: bytes) -> tuple[bytes, memoryview]:
     """A SMALL message's descriptor and data."""
     (n,) = _DESC_LEN.unpack_from(payload)
@@ -486,8 +489,6 @@ def split_small(payload: bytes) -> tuple[bytes, memoryview]:
 
 
 def _readonly_tensor(mapped: mmap.mmap) -> torch.Tensor:
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only memory: we only read it
         return torch.frombuffer(mapped, dtype=torch.uint8)

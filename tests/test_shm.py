@@ -18,7 +18,7 @@ import pytest
 
 import ferrogrpc as fg
 from ferrogrpc import local
-from tests.helpers import RANKS, free_port, rank_env
+from tests.helpers import RANKS, async_wait_until, free_port, rank_env
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -149,3 +149,25 @@ async def test_a_duplicate_first_message_is_a_protocol_error_not_a_vanished_rank
         with pytest.raises(fg.ProtocolError, match="rank 1 began collective #7 twice") as info:
             await asyncio.wait_for(plane0.first(1, 8), 10)
         assert info.value.peer == 1
+
+
+async def test_a_rank_that_closes_fails_only_the_waits_for_it() -> None:
+    # Rank 0 finishes and closes its plane while rank 1 still waits for
+    # rank 2: that wait goes on (rank 0 sent all it had to); a wait for
+    # rank 0 fails at once, naming it. Before, every wait on rank 1's plane
+    # failed with "rank 0 ... is gone" (a flake in FSDP's last collective).
+    async with fg.testing.local_group(3, transport="shm") as peers:
+        planes = [p._plane for p in peers]
+        assert all(plane is not None for plane in planes)
+        p0, p1, p2 = planes
+        assert p0 is not None and p1 is not None and p2 is not None
+        waiting = asyncio.ensure_future(p1.first(2, 900))
+        await p0.close()
+        await async_wait_until(lambda: p1.links[0].gone is not None, 10, "rank 0 gone")
+        assert not waiting.done()
+        p2.send(local.BEGIN, 900, b"desc")
+        assert await asyncio.wait_for(waiting, 10) == (local.BEGIN, b"desc")
+        with pytest.raises(fg.PeerError, match="rank 0 on this host is gone") as info:
+            await asyncio.wait_for(p1.first(0, 901), 10)
+        assert info.value.peer == 0
+        assert p1.failed is None
