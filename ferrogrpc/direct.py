@@ -1,9 +1,9 @@
 """Small collectives on one host, run from the caller's thread.
 
 When every rank shares one host, a small collective (at most
-``DIRECT_BYTES``) is one exchange of messages on *direct sockets*: a Unix
-socket pair per pair of ranks, set up with the shared-memory plane
-(local.py), that a thread uses with blocking calls. A synchronous call runs
+``small.SMALL_BYTES``) is one exchange of messages on *direct sockets*: a
+Unix socket pair per pair of ranks, set up with the shared-memory plane
+(local.py), that the calling thread uses itself. A synchronous call runs
 the exchange in the calling thread itself, as gloo does: no hand-off to the
 event loop and back, no asyncio task per message. An asynchronous one (or a
 call made while an earlier direct one is still running) runs the same
@@ -38,21 +38,18 @@ from typing import Any, TypeVar
 
 import torch
 
-from .descriptor import describe_mismatch
-from .errors import CollectiveTimeoutError, Evidence, FerroGrpcError, PeerError, ProtocolError
+from .errors import CollectiveTimeoutError, Evidence, FerroGrpcError, PeerError
 from .jobs import Job
 from .lane import LaneContext, bytes_view
 from .local import BEGIN, LocalPlane, split_small
-from .small import finish, is_small, plan
+from .small import finish, is_small, mismatch, plan, wrong_size
 from .v1 import collective_pb2 as pb
 
 T = TypeVar("T")
 
-# A small collective whose messages are at most this many bytes, on one
-# host, runs on the direct sockets (every small one: see small.py). A rank
-# whose send finds the socket full reads from it meanwhile, so two ranks
-# that both send before they read never wait for each other.
-DIRECT_BYTES = 256 << 10
+# The small collectives (small.py) that run on the direct sockets on one
+# host. A rank whose send finds the socket full reads from it meanwhile, so
+# two ranks that both send before they read never wait for each other.
 DIRECT_KINDS = frozenset(
     (pb.ALL_REDUCE, pb.BARRIER, pb.BROADCAST, pb.ALL_GATHER, pb.REDUCE_SCATTER)
 )
@@ -70,15 +67,9 @@ REPORT_WAIT_S = 1.0
 
 
 def is_direct(desc: pb.Descriptor, itemsize: int) -> bool:
-    """Whether a collective runs on the direct sockets: its largest message
-    (a rank's block for all-gather and reduce-scatter, the whole tensor
-    otherwise) is at most DIRECT_BYTES, and it is small (small.py)."""
-    if desc.kind not in DIRECT_KINDS or not is_small(desc, itemsize):
-        return False
-    nbytes = desc.numel * itemsize
-    if desc.kind in (pb.ALL_GATHER, pb.REDUCE_SCATTER):
-        nbytes = -(-nbytes // desc.world_size)
-    return nbytes <= DIRECT_BYTES
+    """Whether a collective runs on the direct sockets (when every rank
+    shares this host): every small one (small.py) but all_to_all."""
+    return desc.kind in DIRECT_KINDS and is_small(desc, itemsize)
 
 
 class DeadlinePassedError(Exception):
@@ -216,8 +207,8 @@ class Direct:
                     if their_seq < seq:
                         continue  # a collective this rank did not run (refused): dropped
                     if their_seq == seq and src not in pending:
-                        raise self._mismatch(
-                            job, src, job.descriptor, f"sent {job.name}#{seq} twice"
+                        raise mismatch(
+                            self.me, job, src, job.descriptor, f"sent {job.name}#{seq} twice"
                         )
                     if their_seq > seq:
                         self._early[(src, their_seq)] = message
@@ -302,14 +293,9 @@ class Direct:
     ) -> memoryview:
         theirs, data = message
         if theirs != desc:
-            raise self._mismatch(job, src, pb.Descriptor.FromString(theirs), "disagrees")
+            raise mismatch(self.me, job, src, pb.Descriptor.FromString(theirs), "disagrees")
         if data.nbytes != nbytes:
-            raise self._mismatch(
-                job,
-                src,
-                job.descriptor,
-                f"sent {data.nbytes} bytes for {job.name}#{job.seq}; this rank expected {nbytes}",
-            )
+            raise wrong_size(self.me, job, src, data.nbytes, nbytes)
         return data
 
     # ----------------------------------------------------------- stopping
@@ -340,9 +326,9 @@ class Direct:
             kind, payload = fut.result()
             if kind == BEGIN:
                 theirs = pb.Descriptor.FromString(payload)
-                raise self._mismatch(job, src, theirs, "ran it through shared segments")
+                raise mismatch(self.me, job, src, theirs, "ran it through shared segments")
             theirs = pb.Descriptor.FromString(split_small(payload)[0])
-            raise self._mismatch(job, src, theirs, "ran it as a larger small collective")
+            raise mismatch(self.me, job, src, theirs, "ran it as a larger small collective")
 
     def _drain_wake(self) -> None:
         try:
@@ -350,12 +336,6 @@ class Direct:
                 pass
         except OSError:
             pass  # nothing more (or closed)
-
-    def _mismatch(self, job: Job, src: int, theirs: pb.Descriptor, what: str) -> FerroGrpcError:
-        found = describe_mismatch(job.descriptor, theirs, self.me.rank, src)
-        return self.me.error(
-            ProtocolError, found or f"rank {src} {what}", op=job.name, seq=job.seq, peer=src
-        )
 
     def _gone(self, job: Job, src: int, exc: BaseException) -> FerroGrpcError:
         """``src``'s direct socket ended: this rank closed, or its process is
@@ -382,10 +362,11 @@ class Direct:
         )
 
     def _stuck(self, job: Job, peer: int, what: str) -> FerroGrpcError:
-        idle = self.ctx.timeouts.idle
+        """``peer`` did not do ``what`` for the idle timeout."""
         return self.me.error(
             CollectiveTimeoutError,
-            f"waited {idle:g}s for rank {peer} ({self.me.address_of(peer)}) {what}: it is stuck",
+            f"waited {self.ctx.timeouts.idle:g}s for rank {peer} "
+            f"({self.me.address_of(peer)}) {what}: it is stuck",
             op=job.name,
             seq=job.seq,
             peer=peer,
@@ -398,12 +379,5 @@ class Direct:
             try:
                 self.on_loop(self.ctx.transport.ping(peer, timeout=idle))
             except FerroGrpcError as exc:
-                raise self.me.error(
-                    CollectiveTimeoutError,
-                    f"waited {idle:g}s for {job.name}#{job.seq} from rank {peer} "
-                    f"({self.me.address_of(peer)}), which does not answer: it is stuck "
-                    f"({exc.message})",
-                    op=job.name,
-                    seq=job.seq,
-                    peer=peer,
-                ) from None
+                what = f"to send {job.name}#{job.seq}, and it does not answer ({exc.message})"
+                raise self._stuck(job, peer, what) from None

@@ -100,7 +100,7 @@ class Engine:
 
     async def _run_direct(self, job: Job) -> None:
         """A direct job from the loop: in its turn, in the direct thread."""
-        direct, failure = self.direct, self.ctx.failure
+        direct = self.direct
         assert direct is not None and self.plane is not None
         stage = job.stage
         if stage is not None:
@@ -119,13 +119,9 @@ class Engine:
             await asyncio.wait([running])
             raise
         except DeadlinePassedError:
-            err = failure.deadline_passed(job.name, job.seq, self.ctx.timeouts.collective)
-            self.plane.abort(failure.abort_message(err))
-            raise err from None
+            raise self._direct_deadline(job) from None
         except FerroGrpcError as exc:
-            cause = failure.cause(exc, job.name, job.seq)
-            if not failure.plane_survives(cause, mid_round=False):
-                self.plane.abort(failure.abort_message(cause))
+            self._abort_plane(exc, job)
             raise
         if stage is not None:
             stage.final(*done)
@@ -154,20 +150,30 @@ class Engine:
                 direct.loop.call_soon_threadsafe(self._forget, job.seq, refused)
             self.ctx.stats.collectives += 1
 
-    async def _deadline(self, job: Job) -> FerroGrpcError:
+    def _direct_deadline(self, job: Job) -> FerroGrpcError:
+        """Direct job ``job`` missed its deadline: break, tell the host's
+        ranks, and return the error to raise. On the loop."""
         failure = self.ctx.failure
         err = failure.deadline_passed(job.name, job.seq, self.ctx.timeouts.collective)
         assert self.plane is not None
         self.plane.abort(failure.abort_message(err))
         return err
 
-    async def _settle_direct(self, exc: FerroGrpcError, job: Job) -> FerroGrpcError:
+    def _abort_plane(self, exc: FerroGrpcError, job: Job) -> None:
+        """Tell the host's ranks why direct job ``job`` failed here, unless
+        the plane survives that (a refusal). On the loop."""
         failure = self.ctx.failure
         cause = failure.cause(exc, job.name, job.seq)
         assert self.plane is not None
         if not failure.plane_survives(cause, mid_round=False):
             self.plane.abort(failure.abort_message(cause))
-        return await failure.settle(exc, job.name, job.seq)
+
+    async def _deadline(self, job: Job) -> FerroGrpcError:
+        return self._direct_deadline(job)
+
+    async def _settle_direct(self, exc: FerroGrpcError, job: Job) -> FerroGrpcError:
+        self._abort_plane(exc, job)
+        return await self.ctx.failure.settle(exc, job.name, job.seq)
 
     async def point_to_point(self, job: Job, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run a send or receive (``job`` names it; it takes no sequence

@@ -94,14 +94,10 @@ class JobTable:
         self._seq = 0
         self._lock = threading.Lock()
         self._jobs: dict[int, Job] = {}
-        # Sequence numbers of ordered jobs not finished yet, in call order,
-        # and the waiter of each (see turn()).
-        self._ordered: collections.deque[int] = collections.deque()
-        self._turns: dict[int, asyncio.Future[None]] = {}
-        # The same for direct jobs (see direct_turn()); their waiters are set
-        # from whichever thread finishes the job before.
-        self._direct: collections.deque[int] = collections.deque()
-        self._direct_turns: dict[int, asyncio.Future[None]] = {}
+        # Ordered jobs (see turn()) and direct jobs (direct_turn()) not
+        # finished yet, each kind in call order.
+        self._ordered = _Turns(self._lock)
+        self._direct = _Turns(self._lock)
         # Called when a job is stopped from outside (a refusal, a break), to
         # wake a thread running a direct job (see direct.py).
         self.wake: Callable[[], None] | None = None
@@ -151,44 +147,27 @@ class JobTable:
             if self._world > 1:
                 self._jobs[seq] = job
                 if ordered:
-                    self._ordered.append(seq)
+                    self._ordered.queue.append(seq)
                 if direct:
-                    self._direct.append(seq)
+                    self._direct.queue.append(seq)
             self._seq = seq
         return job
 
     def direct_head(self, seq: int) -> bool:
         """Whether direct job ``seq`` may run now (thread-safe)."""
-        with self._lock:
-            return bool(self._direct) and self._direct[0] == seq
+        return self._direct.head_is(seq)
 
     async def direct_turn(self, seq: int) -> None:
         """Return once ``seq`` is the oldest unfinished direct job: direct
         jobs share the direct sockets, one at a time, in call order (the same
         order on every rank)."""
-        with self._lock:  # registered under the lock: finish() may run in another thread
-            if not self._direct or self._direct[0] == seq:
-                return
-            fut = self._direct_turns[seq] = asyncio.get_running_loop().create_future()
-        try:
-            await fut
-        finally:
-            with self._lock:
-                self._direct_turns.pop(seq, None)
+        await self._direct.wait(seq)
 
     async def turn(self, seq: int) -> None:
         """Return once ``seq`` is the oldest unfinished ordered job: jobs that
         share one resource (a host's shared segments) take turns in call
         order, which is the same order on every rank."""
-        with self._lock:
-            head = self._ordered[0] if self._ordered else None
-        if head == seq:
-            return
-        fut = self._turns[seq] = asyncio.get_running_loop().create_future()
-        try:
-            await fut
-        finally:
-            self._turns.pop(seq, None)
+        await self._ordered.wait(seq)
 
     def refuse(self, make_error: Callable[[int], E], count: int = 1) -> list[E]:
         """Take the next ``count`` sequence numbers for a call that this
@@ -247,22 +226,9 @@ class JobTable:
         that ran it."""
         self._jobs.pop(job.seq, None)
         if job.direct:
-            with self._lock:
-                if job.seq in self._direct:
-                    self._direct.remove(job.seq)
-                head = self._direct[0] if self._direct else None
-                turn = self._direct_turns.get(head) if head is not None else None
-            if turn is not None:
-                turn.get_loop().call_soon_threadsafe(_set_if_pending, turn)
-        if not job.ordered:
-            return
-        with self._lock:
-            if job.seq in self._ordered:
-                self._ordered.remove(job.seq)
-            head = self._ordered[0] if self._ordered else None
-        waiter = self._turns.get(head) if head is not None else None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+            self._direct.done(job.seq)
+        if job.ordered:
+            self._ordered.done(job.seq)
 
     def cancel_all(self, err: FerroGrpcError | Callable[[Job], FerroGrpcError]) -> None:
         """Stop every running job, to raise ``err`` (or ``err(job)``)."""
@@ -285,6 +251,51 @@ class JobTable:
             job = jobs[min(jobs)]
             return job.name, job.seq
         return "", self._seq
+
+
+class _Turns:
+    """Jobs that take turns: their sequence numbers in call order, and who
+    waits for which. Thread-safe (under the table's lock): a direct job
+    finishes in the thread that ran it, and its waiters are on the loop."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self.queue: collections.deque[int] = collections.deque()  # append under the lock
+        self._waiters: dict[int, asyncio.Future[None]] = {}
+
+    def head_is(self, seq: int) -> bool:
+        with self._lock:
+            return bool(self.queue) and self.queue[0] == seq
+
+    async def wait(self, seq: int) -> None:
+        """Return once ``seq`` heads the queue."""
+        with self._lock:  # registered under the lock: done() may run in another thread
+            if not self.queue or self.queue[0] == seq:
+                return
+            fut = self._waiters[seq] = asyncio.get_running_loop().create_future()
+        try:
+            await fut
+        finally:
+            with self._lock:
+                self._waiters.pop(seq, None)
+
+    def done(self, seq: int) -> None:
+        """``seq`` finished: wake the new head's waiter, if any."""
+        with self._lock:
+            if seq in self.queue:
+                self.queue.remove(seq)
+            waiter = self._waiters.get(self.queue[0]) if self.queue else None
+        if waiter is None:
+            return
+        loop = waiter.get_loop()
+        try:
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if here:
+            _set_if_pending(waiter)
+        else:
+            loop.call_soon_threadsafe(_set_if_pending, waiter)
 
 
 def _set_if_pending(fut: asyncio.Future[None]) -> None:

@@ -143,21 +143,10 @@ class SmallRunner:
         await send_parts(ctx, self.links, self.watch, dst, header, view, self.part)
 
     def _mismatch(self, src: int, theirs: pb.Descriptor, what: str) -> FerroGrpcError:
-        found = describe_mismatch(self.job.descriptor, theirs, self.me.rank, src)
-        return self.me.error(
-            ProtocolError,
-            found or f"rank {src} {what}",
-            op=self.job.name,
-            seq=self.job.seq,
-            peer=src,
-        )
+        return mismatch(self.me, self.job, src, theirs, what)
 
     def _sizes(self, src: int, got: int, expected: int) -> FerroGrpcError:
-        return self._mismatch(
-            src,
-            self.job.descriptor,
-            f"sent {got} bytes for {self.job.name}#{self.job.seq}; this rank expected {expected}",
-        )
+        return wrong_size(self.me, self.job, src, got, expected)
 
     async def _receive(self, src: int, nbytes: int) -> memoryview:
         job = self.job
@@ -261,6 +250,21 @@ class SmallRunner:
         )
         for r, data in got.items():
             out[at_out[r] : at_out[r] + outs[r]].copy_(_tensor(data, dtype, out.dtype))
+
+
+def mismatch(me: Identity, job: Job, src: int, theirs: pb.Descriptor, what: str) -> FerroGrpcError:
+    """The ProtocolError for rank ``src``'s message of ``job``: the first
+    descriptor field it disagrees on, else ``what`` it did."""
+    found = describe_mismatch(job.descriptor, theirs, me.rank, src)
+    return me.error(
+        ProtocolError, found or f"rank {src} {what}", op=job.name, seq=job.seq, peer=src
+    )
+
+
+def wrong_size(me: Identity, job: Job, src: int, got: int, expected: int) -> FerroGrpcError:
+    """The ProtocolError for a message of ``got`` bytes where ``expected`` were."""
+    what = f"sent {got} bytes for {job.name}#{job.seq}; this rank expected {expected}"
+    return mismatch(me, job, src, job.descriptor, what)
 
 
 def plan(

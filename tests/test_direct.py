@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ferrogrpc as fg
-from ferrogrpc.direct import DIRECT_BYTES
+from ferrogrpc.small import SMALL_BYTES
 from tests.helpers import ServedJob, backends, on_ranks
 
 pytestmark = pytest.mark.timeout(90)
@@ -76,7 +76,7 @@ def test_every_direct_kind_against_float64_and_in_the_callers_thread() -> None:
             torch.testing.assert_close(part, ref, rtol=0, atol=1e-12)
             b.barrier()
             # The largest all_reduce that goes direct, and one byte-count over.
-            for n in (DIRECT_BYTES // 8, DIRECT_BYTES // 8 + 1):
+            for n in (SMALL_BYTES // 8, SMALL_BYTES // 8 + 1):
                 ys = [_inputs(r, 3, n) for r in range(WORLD)]
                 t = ys[rank].clone()
                 b.all_reduce(t)
@@ -250,8 +250,6 @@ def test_two_ranks_sending_each_other_more_than_a_socket_holds_never_wait_on_eac
     # Socket buffers cut to a few KiB: both ranks' 256 KiB messages fill
     # them at once, and each must read the other's while it sends its own.
     import socket
-
-    from ferrogrpc.small import SMALL_BYTES
 
     group = backends(2, timeouts=fg.Timeouts(idle=5, collective=20))
     for b in group:
