@@ -103,7 +103,9 @@ def worker(args: argparse.Namespace) -> None:
 
         return run
 
-    wire_times = _measure({w: wire_op(w) for w in big}, dist.barrier, args.wire_iters, 1)
+    wire_times: dict[str, list[float]] = {w: [] for w in big}
+    if args.wire_iters:
+        wire_times = _measure({w: wire_op(w) for w in big}, dist.barrier, args.wire_iters, 1)
     result = {"rows": rows, "wire": wire_times, "ok": all(checks)}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, result)
@@ -141,6 +143,8 @@ def report(world: int, per_rank: list[dict[str, Any]]) -> str:
             f"{row['op']:>10} {size:>8} {med['gloo']:8.3f} | {med['shm']:8.3f} "
             f"{med['shm'] / med['gloo']:6.2f} | {med['grpc']:8.3f} {med['grpc'] / med['gloo']:6.2f}"
         )
+    if not per_rank[0]["wire"]["float32"]:  # --wire-iters 0
+        return "\n".join(lines)
     wire = {}
     for name in ("float32", "bfloat16"):
         count = len(per_rank[0]["wire"][name])
@@ -172,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gloo-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--grpc-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if min(args.iters, args.warmup, args.wire_iters) < 0 or args.iters == 0:
+        parser.error("--iters must be at least 1; --warmup and --wire-iters at least 0")
     if args.worker:
         worker(args)
         return 0

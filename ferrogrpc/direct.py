@@ -151,9 +151,10 @@ class Direct:
         """Run ``job`` (blocking; in its turn); return the element range it
         produced. Raises FerroGrpcError, or DeadlinePassedError."""
         me = self.me
-        outgoing, expect = plan(job, me.rank, me.world_size, None)
+        world = me.world_size
+        outgoing, expect = plan(job, me.rank, world, None)
         got = self._exchange(job, outgoing, expect)
-        return finish(job, me.rank, me.world_size, got, None)
+        return finish(job, me.rank, world, got, None)
 
     def on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait for it (from another thread)."""

@@ -4,7 +4,7 @@ failure to the failure policy to decide what it raises."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from .descriptor import build_plans
@@ -60,23 +60,26 @@ class Engine:
         if self.direct is not None:
             self.direct.close()
 
-    def _runner(self, job: Job) -> Callable[[], Coroutine[Any, Any, None]]:
+    def _runner(self, job: Job) -> tuple[Callable[[], Coroutine[Any, Any, None]], bool]:
         """How ``job`` runs: in one exchange if it is small; among one host's
         ranks through shared memory; in two levels when several hosts have
         several ranks; else as rings over the transport. Every rank picks
-        alike: the topology is the same everywhere."""
+        alike: the topology is the same everywhere. Also whether it runs in
+        the caller's task (a small exchange without staging) rather than a
+        task of its own."""
         me, topo = self.ctx.identity, self.topology
         if job.direct:
-            return lambda: self._run_direct(job)
+            return (lambda: self._run_direct(job)), False
         if job.kind == pb.ALL_TO_ALL or is_small(job.descriptor, job.buffer.element_size()):
-            return SmallRunner(self.ctx, self.links, self.plane, topo.local(me.rank), job).run
+            runner = SmallRunner(self.ctx, self.links, self.plane, topo.local(me.rank), job)
+            return runner.run, job.stage is None
         if self.plane is not None and topo.single_host:
-            return LocalRunner(self.ctx, self.jobs, self.plane, topo.local(me.rank), job).run
+            return LocalRunner(self.ctx, self.jobs, self.plane, topo.local(me.rank), job).run, False
         if topo.shares_memory and not topo.single_host:
-            return HierRunner(self.ctx, self.jobs, self.plane, topo, job).run
+            return HierRunner(self.ctx, self.jobs, self.plane, topo, job).run, False
         plans = build_plans(job.descriptor, me.rank, me.world_size)
         runners = [LaneRunner(self.ctx, job, lane, plan) for lane, plan in enumerate(plans)]
-        return lambda: _run_all(runners)
+        return (lambda: _run_all(runners)), False
 
     async def execute(self, job: Job) -> None:
         """Run ``job`` to completion; raise what the failure policy decides
@@ -93,7 +96,7 @@ class Engine:
             await self._release(job)
             raise refusal
         try:
-            await self._supervise(job, self._runner(job))
+            await self._supervise(job, *self._runner(job))
         finally:
             await self._release(job)
             self.ctx.stats.collectives += 1
@@ -185,18 +188,34 @@ class Engine:
         finally:
             self.jobs.untrack(job)
 
-    async def _supervise(self, job: Job, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    async def _supervise(
+        self, job: Job, run: Callable[[], Coroutine[Any, Any, None]], here: bool = False
+    ) -> None:
+        """Run ``run()`` under the deadline, in a task of its own, or with
+        ``here`` in this one (one task less: a small collective's latency);
+        either way that task is what ``job.cancel()`` cancels."""
         ctx = self.ctx
         failure = ctx.failure
-        job.task = asyncio.ensure_future(run())
+        work: Awaitable[None]
+        if here:
+            job.task = asyncio.current_task()
+            work = run()
+        else:
+            job.task = work = asyncio.ensure_future(run())
         deadline_s = ctx.timeouts.collective
         try:
             async with asyncio.timeout(deadline_s) as deadline:
-                await job.task
+                try:
+                    await work
+                finally:
+                    if here:
+                        job.task = None  # this task goes on: cancel it no more
                 if job.stage is not None:
                     await job.stage.finish()
         except asyncio.CancelledError:
             if job.error is not None:
+                if here:
+                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
                 raise job.error from None
             raise
         except TimeoutError as exc:

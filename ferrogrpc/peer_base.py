@@ -27,9 +27,12 @@ from .placement import Placed, Placement
 from .refusal import CallChecks
 from .rendezvous import Rendezvous
 from .topology import Topology
+from .v1 import collective_pb2 as pb
 
 # How long close() waits for abort notices still being delivered.
 ABORT_DELIVERY_S = 2.0
+# Descriptors kept for reuse (see PeerBase._job).
+DESCRIPTORS_KEPT = 256
 
 
 class PeerBase:
@@ -60,6 +63,7 @@ class PeerBase:
         self._rendezvous = rendezvous
         self._address = address
         self._closed = False
+        self._descriptors: dict[tuple[Any, ...], pb.Descriptor] = {}
         # Argument checks; a refused call still takes its seq (refusal.py).
         self._checks = CallChecks(jobs, self._failure, self._engine, lambda: self._closed).run
 
@@ -108,17 +112,24 @@ class PeerBase:
         out_offset: int = 0,
         wire: torch.dtype | None = None,
     ) -> Job:
-        descriptor = make_descriptor(
-            kind,
-            buffer,
-            op,
-            root,
-            self._me.world_size,
-            self._chunking,
-            self._policy.lane_min_bytes,
-            self._ctx.checksum,
-            wire,
-        )
+        # The same call on the same shapes has the same descriptor (never
+        # changed once made): built once, it costs a small collective less.
+        key = (kind, buffer.dtype, buffer.numel(), op, root, wire)
+        descriptor = self._descriptors.get(key)
+        if descriptor is None:
+            if len(self._descriptors) >= DESCRIPTORS_KEPT:
+                self._descriptors.clear()
+            descriptor = self._descriptors[key] = make_descriptor(
+                kind,
+                buffer,
+                op,
+                root,
+                self._me.world_size,
+                self._chunking,
+                self._policy.lane_min_bytes,
+                self._ctx.checksum,
+                wire,
+            )
         itemsize = buffer.element_size()
         ordered = self._engine.uses_plane(descriptor, itemsize)
         direct = self._engine.uses_direct(descriptor, itemsize)

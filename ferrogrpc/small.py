@@ -117,7 +117,7 @@ class SmallRunner:
     async def run(self) -> None:
         job, ctx = self.job, self.ctx
         try:
-            await self.watch.guard(self._main())
+            await self.watch.guard_here(self._main())
         except BaseException as exc:
             if self.plane is not None and self.local:
                 cause = ctx.failure.cause(exc, job.name, job.seq, self.watch.first_failure)
@@ -173,9 +173,12 @@ class SmallRunner:
             key = (ctx.group, job.seq, part, src)
             box = ctx.mailboxes.get(key)
             try:
-                header, item = await self.watch.wait(
-                    f"r{src}", src, what, asyncio.shield(box.arrived)
-                )
+                if box.arrived.done():
+                    header, item = box.arrived.result()
+                else:
+                    header, item = await self.watch.wait(
+                        f"r{src}", src, what, asyncio.shield(box.arrived)
+                    )
             finally:
                 ctx.mailboxes.drop(key)
             if not isinstance(item, memoryview):
@@ -203,6 +206,15 @@ class SmallRunner:
         at once (a socket write); a failed gRPC send fails the exchange at
         once, like a failed receive."""
         got: dict[int, memoryview] = {}
+        if not self.local:
+            # Every message crosses gRPC: send each, then take each, in this
+            # task (tasks cost more than the messages). No send waits on a
+            # receive: every rank's intake reads its links as they arrive.
+            for dst, data in outgoing.items():
+                await self._send(dst, data)
+            for src in outgoing:
+                got[src] = await self._receive(src, expect[src])
+            return got
 
         async def receive(src: int) -> None:
             got[src] = await self._receive(src, expect[src])
@@ -309,7 +321,7 @@ def finish(
     mine = buf if wire is None else buf.to(wire).to(buf.dtype)
     if kind == pb.ALL_REDUCE:
         values = [mine if r == rank else _tensor(got[r], dtype, buf.dtype) for r in range(world)]
-        buf.copy_(_reduce(values, job.op, world))
+        _reduce_into(buf, values, job.op, world)
     elif kind == pb.BROADCAST:
         root = job.descriptor.root
         if rank != root:
@@ -389,6 +401,20 @@ def _tensor(data: memoryview, dtype: torch.dtype, into: torch.dtype) -> torch.Te
         return torch.empty(0, dtype=into)
     t = torch.frombuffer(data, dtype=dtype)
     return t if dtype == into else t.to(into)
+
+
+def _reduce_into(out: torch.Tensor, values: list[torch.Tensor], op: ReduceOp, world: int) -> None:
+    """``out`` = values[0] op values[1] op ... in rank order, as
+    :func:`_reduce`, written straight into ``out``, which may be one of the
+    values (this rank's own)."""
+    if any(v is out for v in values[2:]):
+        values = [v.clone() if v is out else v for v in values]  # read after out is written
+    reduce = REDUCERS[op]
+    reduce(values[0], values[1], out)
+    for value in values[2:]:
+        reduce(out, value, out)
+    if op is ReduceOp.MEAN:
+        out.div_(world)
 
 
 def _reduce(values: list[torch.Tensor], op: ReduceOp, world: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from .errors import CollectiveTimeoutError, Evidence, FerroGrpcError, Identity, PeerError
@@ -62,6 +62,48 @@ class Watchdog:
             tasks = [tg.create_task(self._noting(work)) for work in works]
             tg.create_task(self._noting(self.run(tasks)))
 
+    async def guard_here(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in this task, watched as :meth:`guard` watches. The
+        watchdog task starts only once ``work`` has run for a tick without
+        finishing: a small collective usually finishes long before, and then
+        costs no task. If the watchdog finds a neighbour gone or stuck, it
+        cancels this task and its error is raised here."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        watcher: asyncio.Task[None] | None = None
+        found: list[FerroGrpcError] = []
+
+        async def watch(never: asyncio.Future[None]) -> None:
+            try:
+                await self.run([never])
+            except FerroGrpcError as exc:
+                found.append(exc)
+                task.cancel()
+
+        def start() -> None:
+            nonlocal watcher
+            watcher = loop.create_task(watch(loop.create_future()))
+
+        timer = loop.call_later(min(PROBE_S, self.idle) / 4, start)
+        try:
+            await work
+        except asyncio.CancelledError:
+            if not found:
+                raise
+            task.uncancel()
+            if self.first_failure is None:
+                self.first_failure = found[0]
+            raise found[0] from None
+        except Exception as exc:
+            if self.first_failure is None:
+                self.first_failure = exc
+            raise
+        finally:
+            timer.cancel()
+            if watcher is not None:
+                watcher.cancel()
+
     async def _noting(self, work: Awaitable[None]) -> None:
         try:
             await work
@@ -95,7 +137,7 @@ class Watchdog:
             cls, message, op=self.op, seq=self.seq, peer=peer, evidence=evidence
         )
 
-    async def run(self, work: list[asyncio.Task[None]]) -> None:
+    async def run(self, work: Sequence[asyncio.Future[None]]) -> None:
         """Watch until every task in ``work`` is done; raise to name a
         neighbour that is gone or stuck."""
         idle = self.idle

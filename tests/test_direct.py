@@ -195,9 +195,12 @@ def test_a_killed_rank_is_named_in_a_direct_wait(report: Callable[[str], None]) 
 
 
 @pytest.mark.timeout(120)
-def test_a_stopped_rank_is_named_as_stuck(report: Callable[[str], None]) -> None:
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["direct", "grpc"])
+def test_a_stopped_rank_is_named_as_stuck(shm: str, report: Callable[[str], None]) -> None:
+    # Over gRPC (FERROGRPC_SHM=0) the same small exchange runs on the event
+    # loop, where its watchdog starts only once it has waited a tick.
     idle = 1.0
-    with ServedJob(3, FERROGRPC_IDLE_TIMEOUT=str(idle)) as job:
+    with ServedJob(3, FERROGRPC_IDLE_TIMEOUT=str(idle), FERROGRPC_SHM=shm) as job:
         for answer in job.command("small 3"):
             assert answer.startswith("OK"), answer
         os.kill(job.pids[2], signal.SIGSTOP)
@@ -213,7 +216,8 @@ def test_a_stopped_rank_is_named_as_stuck(report: Callable[[str], None]) -> None
         assert "stuck" in answers[0] or "stuck" in answers[1], answers
         # Named after about an idle timeout and a ping's, not the deadline.
         assert took < 4 * idle + 5, took
-        report(f"direct path: a SIGSTOPped rank named as stuck in {took:.2f} s (idle {idle} s)")
+        path = "direct path" if shm == "1" else "gRPC"
+        report(f"{path}: a SIGSTOPped rank named as stuck in {took:.2f} s (idle {idle} s)")
 
 
 def test_a_peer_that_finished_and_closed_has_sent_all_it_had_to() -> None:
