@@ -124,6 +124,9 @@ class LaneRunner:
         # For each receive index that is forwarded, the send item forwarding it.
         self.forwards = {item.from_recv: item for item in plan.sends if item.from_recv >= 0}
         self.in_place = job.out is None
+        # With a wire dtype: received values widened, and values rounded.
+        self._wide = wire.Scratch(job.buffer.dtype)
+        self._narrow = wire.Scratch(job.wire or job.buffer.dtype)
         # The outgoing stream, until it has been closed cleanly.
         self.out: OutStream | None = None
         self.watch = Watchdog(me, ctx.transport, ctx.timeouts.idle, job.name, job.seq)
@@ -200,19 +203,17 @@ class LaneRunner:
                 if stage is not None:
                     await stage.ready(item.lo, item.hi)
                 data = flat[item.lo : item.hi]
-                if self.wire is not None:
-                    data = data.to(self.wire)
-                    if self.job.kind == pb.ALL_GATHER:
-                        # This rank's own block, as every other rank gets it.
-                        flat[item.lo : item.hi].copy_(data)
-                payload = bytes_view(data)
                 header.step = item.step
                 header.chunk_index = item.chunk
                 header.offset = item.lo
-                if checksum is not None:
-                    header.checksum = checksum(payload)
-                    header.has_checksum = True
-                message = wire.encode(header, payload)
+                if self.wire is not None:
+                    message = self._narrowed_message(header, data)
+                else:
+                    payload = bytes_view(data)
+                    if checksum is not None:
+                        header.checksum = checksum(payload)
+                        header.has_checksum = True
+                    message = wire.encode(header, payload)
             await self._write(stream, message, item.step)
             stats.bytes_sent += (item.hi - item.lo) * self.wire_itemsize
         # End the stream only once everything this rank receives has arrived
@@ -226,6 +227,24 @@ class LaneRunner:
             "send", self.right, "the end of the stream to be read by", stream.close()
         )
         self.out = None
+
+    def _narrowed_message(self, header: pb.ChunkHeader, data: torch.Tensor) -> bytes:
+        """The message carrying ``data`` (this rank's own, in the buffer's
+        dtype) in the wire dtype: converted straight into the message, with
+        no converted copy in between."""
+        assert self.wire is not None
+        frame = self._frame(header, data.numel())
+        narrow = frame.payload(self.wire)
+        narrow.copy_(data)
+        if self.job.kind == pb.ALL_GATHER:
+            data.copy_(narrow)  # this rank's own block, as every other rank gets it
+        return self._seal(header, frame)
+
+    def _wide_or(self, incoming: torch.Tensor) -> torch.Tensor:
+        """Received values to reduce: wire-dtype ones widened first, in one
+        conversion pass (torch's CPU kernels reduce a float32 with a
+        bfloat16 operand six times slower than two float32s)."""
+        return incoming if self.wire is None else self._wide.filled(incoming)
 
     # ----------------------------------------------------------- receiving
 
@@ -274,28 +293,57 @@ class LaneRunner:
     def _reduced_message(self, index: int, incoming: torch.Tensor | None, reduce: Reducer) -> bytes:
         """The message forwarding receive item ``index``: this rank's range
         reduced with ``incoming``, written in place into the message."""
+        header, frame = self._forward_frame(index)
         send = self.forwards[index]
-        header = self._header()
-        header.step = send.step
-        header.chunk_index = send.chunk
-        header.offset = send.lo
-        checksum = self.ctx.checksum
-        if checksum is not None:
-            header.has_checksum = True
-            header.checksum = 0xFFFFFFFF  # the longest encoding, for the bound
-        frame = wire.Frame(header, (send.hi - send.lo) * self.wire_itemsize)
         local = self.job.buffer[send.lo : send.hi]
         if incoming is not None:
             if self.wire is None:
                 reduce(local, incoming, frame.payload(local.dtype))
             else:
                 # Reduced in the buffer's dtype, rounded once for the wire.
-                partial = torch.empty_like(local)
-                reduce(local, incoming, partial)
+                partial = self._wide_or(incoming)
+                reduce(local, partial, partial)
                 frame.payload(self.wire).copy_(partial)
+        return self._seal(header, frame)
+
+    def _forward_frame(self, index: int) -> tuple[pb.ChunkHeader, wire.Frame]:
+        """The header and the (empty) frame of the message that forwards
+        receive item ``index``."""
+        send = self.forwards[index]
+        header = self._header()
+        header.step = send.step
+        header.chunk_index = send.chunk
+        header.offset = send.lo
+        return header, self._frame(header, send.hi - send.lo)
+
+    def _frame(self, header: pb.ChunkHeader, numel: int) -> wire.Frame:
+        """A frame for ``numel`` elements in the wire dtype under ``header``
+        (with room for its checksum, which :meth:`_seal` sets)."""
+        if self.ctx.checksum is not None:
+            header.has_checksum = True
+            header.checksum = 0xFFFFFFFF  # the longest encoding, for the bound
+        return wire.Frame(header, numel * self.wire_itemsize)
+
+    def _seal(self, header: pb.ChunkHeader, frame: wire.Frame) -> bytes:
+        checksum = self.ctx.checksum
         if checksum is not None:
             header.checksum = checksum(frame.view())
         return frame.seal(header)
+
+    def _round(self, target: torch.Tensor, index: int, hold: bool) -> None:
+        """Round a finished segment to the wire dtype, as every other rank
+        receives it. When the segment is forwarded next, it is rounded
+        straight into the message that forwards it (no conversion again at
+        send time); else through a scratch buffer."""
+        assert self.wire is not None
+        if hold:
+            header, frame = self._forward_frame(index)
+            narrow = frame.payload(self.wire)
+            narrow.copy_(target)
+            target.copy_(narrow)
+            self.outgoing[index] = self._seal(header, frame)
+            return
+        target.copy_(self._narrow.filled(target))
 
     def _check_header(self, header: pb.ChunkHeader, payload: memoryview, index: int) -> None:
         item = self.plan.recvs[index]
@@ -396,20 +444,20 @@ class LaneRunner:
             elif item.action == REDUCE:
                 if incoming is not None:
                     target = flat[item.lo : item.hi]
-                    reduce(target, incoming, target)
+                    reduce(target, self._wide_or(incoming), target)
             elif incoming is not None:  # REDUCE_LAST: the finished segment
                 if self.in_place:
                     target = flat[item.lo : item.hi]
                 else:
                     assert job.out is not None
                     target = job.out[item.lo - job.out_offset : item.hi - job.out_offset]
-                reduce(flat[item.lo : item.hi], incoming, target)
+                reduce(flat[item.lo : item.hi], self._wide_or(incoming), target)
                 if mean:
                     target.div_(self.world)
                 if self.wire is not None and self.in_place:
                     # Every other rank receives this segment rounded to the
                     # wire dtype: round it here too, so all hold the same.
-                    target.copy_(target.to(self.wire))
+                    self._round(target, index, hold)
             if stage is not None and item.action != REDUCE:
                 stage.final(item.lo, item.hi)
             stats.bytes_received += nbytes

@@ -159,3 +159,23 @@ def decode(message: bytes) -> tuple[pb.ChunkHeader, memoryview]:
     except (DecodeError, ValueError) as exc:
         raise ProtocolError(f"undecodable chunk of {len(buf)} bytes: {exc}") from exc
     return chunk.header, memoryview(chunk.payload)
+
+
+class Scratch:
+    """A buffer of one dtype reused from chunk to chunk (a lane's), grown
+    when a chunk needs more."""
+
+    __slots__ = ("_buf", "dtype")
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._buf: torch.Tensor | None = None
+
+    def filled(self, values: torch.Tensor) -> torch.Tensor:
+        """The first ``values.numel()`` elements, holding ``values`` converted."""
+        n = values.numel()
+        if self._buf is None or self._buf.numel() < n:
+            self._buf = torch.empty(n, dtype=self.dtype)
+        out = self._buf[:n]
+        out.copy_(values)
+        return out

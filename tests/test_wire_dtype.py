@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ferrogrpc as fg
+from ferrogrpc import lane
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,6 +60,31 @@ async def test_all_reduce_in_a_wire_dtype_is_within_its_bound(
     # Half the bytes of float32 on the wire.
     exact_bytes = numel * 4 * (2 * (world - 1) / world if numel > 1000 else world - 1)
     assert sent <= 0.55 * exact_bytes + 4096, (sent, exact_bytes)
+
+
+async def test_a_ring_rounds_alike_whether_or_not_it_holds_forwards(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A finished segment is rounded to the wire dtype straight into the
+    # message that forwards it when the lane holds forwards, and through a
+    # scratch buffer when it does not: the same bits either way, on every rank.
+    gen = torch.Generator().manual_seed(5)
+    inputs = [torch.randn(1 << 17, generator=gen) for _ in range(3)]
+    results = []
+    for held in (lane.HELD_MESSAGES, 0):
+        monkeypatch.setattr(lane, "HELD_MESSAGES", held)
+        tensors = [t.clone() for t in inputs]
+        async with fg.testing.local_group(3, transport="grpc") as peers:
+            await asyncio.gather(
+                *(
+                    p.all_reduce(t, wire_dtype=torch.bfloat16)
+                    for p, t in zip(peers, tensors, strict=True)
+                )
+            )
+        assert all(torch.equal(t, tensors[0]) for t in tensors), held
+        assert torch.equal(tensors[0], tensors[0].bfloat16().float()), held
+        results.append(tensors[0])
+    assert torch.equal(results[0], results[1])
 
 
 @pytest.mark.parametrize("transport", ["grpc", "memory", "shm"])
