@@ -166,8 +166,12 @@ class Direct:
         plane, seq = self.plane, job.seq
         plane.direct_seq = seq
         desc = job.descriptor.SerializeToString()
+        views: dict[int, memoryview] = {}  # by tensor: an all-reduce sends one to all
         for dst, data in outgoing.items():
-            self._send(job, dst, desc, bytes_view(data))
+            view = views.get(id(data))
+            if view is None:
+                view = views[id(data)] = bytes_view(data)
+            self._send(job, dst, desc, view)
         got: dict[int, memoryview] = {}
         for src in list(expect):
             early = self._early.pop((src, seq), None)

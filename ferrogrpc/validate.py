@@ -52,6 +52,8 @@ def writable(me: Identity, t: torch.Tensor, name: str, what: str = "tensor") -> 
 
 def _overlaps(t: torch.Tensor) -> bool:
     """Whether two elements of ``t`` share memory."""
+    if t.is_contiguous():
+        return False
     dims = sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1)
     if not dims or t.numel() == 0:
         return False
