@@ -6,9 +6,11 @@ The public API is exactly what ``__all__`` lists; everything else is private.
 
 from __future__ import annotations
 
-from . import testing, torch_backend
-from .backend import Backend
-from .ddp import DDP
+import importlib
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     CollectiveTimeoutError,
     ConfigError,
@@ -17,17 +19,49 @@ from .errors import (
     ProtocolError,
     RendezvousError,
 )
-from .fsdp import FSDP
-from .ops import SUPPORTED_DTYPES, ReduceOp
 from .options import ChunkPolicy, Timeouts, TLSConfig
-from .peer import Peer
-from .startup import init_backend
-from .work import Work
 
 __version__ = "0.1.0"
 
-# ``dist.init_process_group("ferrogrpc")`` works once ferrogrpc is imported.
-torch_backend.register()
+
+def _torch_free_program() -> bool:
+    """Whether this process runs the coordinator (``python -m server``) or
+    its healthcheck (``python -m server.health``) from this project: they
+    use no torch, and a torch import costs seconds of CPU (every 2 s, as a
+    container healthcheck)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    origin = getattr(spec, "origin", None)
+    return origin is not None and Path(origin).parent == Path(__file__).parent.parent / "server"
+
+
+if TYPE_CHECKING or not _torch_free_program():
+    # Everything else imports the whole API now, and with it registers the
+    # torch.distributed backend (``dist.init_process_group("ferrogrpc")``).
+    from . import testing
+    from ._api import (
+        DDP,
+        FSDP,
+        SUPPORTED_DTYPES,
+        Backend,
+        Peer,
+        ReduceOp,
+        Work,
+        init_backend,
+    )
+else:
+    _LAZY = frozenset(
+        ("DDP", "FSDP", "SUPPORTED_DTYPES", "Backend", "Peer", "ReduceOp", "Work", "init_backend")
+    )
+
+    def __getattr__(name: str) -> Any:
+        # The torch-free programs still get the rest on first use.
+        if name in _LAZY:
+            return getattr(importlib.import_module("ferrogrpc._api"), name)
+        if name in ("testing", "torch_backend"):
+            importlib.import_module("ferrogrpc._api")  # registers the backend
+            return importlib.import_module(f"ferrogrpc.{name}")
+        raise AttributeError(f"module 'ferrogrpc' has no attribute {name!r}")
+
 
 __all__ = [
     "SUPPORTED_DTYPES",

@@ -559,3 +559,56 @@ async def test_a_late_join_wipes_the_table_but_not_the_running_job() -> None:
             await asyncio.gather(*(p.close() for p in peers))
     finally:
         await coordinator.stop(0)
+
+
+def _imported(*args: str) -> list[str]:
+    """The modules ``python -X importtime ARGS`` imported."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, clean_env
+
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=clean_env(),
+        timeout=60,
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert lines, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert "Traceback" not in proc.stderr, "\n".join(errors[-10:])
+    return [line.rsplit("|", 1)[-1].strip() for line in lines]
+
+
+@pytest.mark.timeout(120)
+def test_the_coordinator_and_its_healthcheck_import_no_torch() -> None:
+    # docker-compose.yml runs the healthcheck every 2 s: a torch import made
+    # each one cost 2.5 s of CPU (0.3 s without).
+    port = free_port()
+    for args in (("-m", "server.health", f"127.0.0.1:{port}"), ("-m", "server", "--help")):
+        imported = _imported(*args)
+        assert "ferrogrpc.settings" in imported, args
+        assert not [m for m in imported if m.split(".")[0] == "torch"], args
+    # Anything else gets the whole API (and the torch.distributed backend)
+    # at import; those programs get it on first use.
+    code = (
+        "import importlib.util, sys\n"
+        "sys.modules['__main__'].__spec__ = importlib.util.spec_from_file_location("
+        "'server.health', 'server/health.py')\n"
+        "import ferrogrpc as fg\n"
+        "assert 'torch' not in sys.modules\n"
+        "assert fg.Backend.__name__ == 'Backend' and fg.testing.stats\n"
+        "import torch.distributed as dist\n"
+        "assert 'ferrogrpc' in dist.Backend.backend_list\n"
+        "try:\n"
+        "    fg.no_such_name\n"
+        "except AttributeError as exc:\n"
+        "    assert 'no_such_name' in str(exc)\n"
+        "else:\n"
+        "    raise AssertionError('no AttributeError')\n"
+    )
+    assert "torch" in _imported("-c", code)
+    assert "torch" in _imported("-c", "import ferrogrpc")
