@@ -185,10 +185,11 @@ class Direct:
         first = True
         while pending:
             # What has arrived is read before any reason to stop is looked
-            # at: a peer that finished and closed has sent all it had to.
+            # at (a peer that finished and closed has sent all it had to);
+            # and those reasons are looked at before any wait: a signal that
+            # came before plane.direct_seq named this job woke nobody.
             if not first:
                 self._check(job, pending)
-            first = False
             now = time.monotonic()
             if now - start >= deadline_s:
                 raise DeadlinePassedError()
@@ -197,7 +198,8 @@ class Direct:
                 progress = time.monotonic()
                 continue
             waits: list[socket.socket] = [self.socks[r] for r in pending - skipped]
-            timeout = min(idle - (now - progress), deadline_s - (now - start))
+            timeout = 0.0 if first else min(idle - (now - progress), deadline_s - (now - start))
+            first = False
             try:
                 readable, _, _ = select.select([wake, *waits], [], [], timeout)
             except (OSError, ValueError):  # a socket closed under us: closing

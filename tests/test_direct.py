@@ -127,15 +127,22 @@ def test_async_and_blocking_direct_calls_keep_call_order() -> None:
             b.close()
 
 
+@pytest.mark.parametrize("late", [0.0, 0.5], ids=["together", "rank-0-late"])
 @pytest.mark.parametrize("other", [40_000, 1 << 20])
-def test_a_size_across_the_threshold_is_a_protocol_error_on_both_ranks(other: int) -> None:
+def test_a_size_across_the_threshold_is_a_protocol_error_on_both_ranks(
+    other: int, late: float
+) -> None:
     # Rank 0's all_reduce goes direct; rank 1's goes direct too but
     # disagrees (160 KB), or does not (4 MB: rounds through shared segments).
+    # With rank 0 late, rank 1's first message has arrived before rank 0's
+    # direct wait begins: it must still be seen, not waited past.
     group = backends(2)
     try:
 
         def work(rank: int) -> str:
             t = torch.ones(16 if rank == 0 else other)
+            if rank == 0:
+                time.sleep(late)
             start = time.monotonic()
             with pytest.raises(fg.ProtocolError) as info:
                 group[rank].all_reduce(t)
