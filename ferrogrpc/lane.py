@@ -422,8 +422,8 @@ class LaneRunner:
             nbytes = payload.nbytes
             if stage is not None:
                 await stage.ready(item.lo, item.hi)
-            # In the wire dtype, if any: the reductions and copies below read
-            # it as it is (torch converts on the fly: no widened copy).
+            # In the wire dtype, if any: a copy below converts it as it goes;
+            # a reduction widens it first (_wide_or).
             incoming = torch.frombuffer(payload, dtype=wire_dtype) if nbytes else None
             # No backpressure from our own sender here: waiting for it while
             # it waits for the right neighbour's receiver would close a cycle
