@@ -49,17 +49,14 @@ if TYPE_CHECKING or not _torch_free_program():
         init_backend,
     )
 else:
-    _LAZY = frozenset(
-        ("DDP", "FSDP", "SUPPORTED_DTYPES", "Backend", "Peer", "ReduceOp", "Work", "init_backend")
-    )
 
     def __getattr__(name: str) -> Any:
-        # The torch-free programs still get the rest on first use.
-        if name in _LAZY:
-            return getattr(importlib.import_module("ferrogrpc._api"), name)
-        if name in ("testing", "torch_backend"):
-            importlib.import_module("ferrogrpc._api")  # registers the backend
-            return importlib.import_module(f"ferrogrpc.{name}")
+        # The torch-free programs still get the rest on first use (a name
+        # _api does not have yet, while it imports, is missing for now).
+        if name in __all__ or name == "torch_backend":
+            api = importlib.import_module("ferrogrpc._api")
+            if hasattr(api, name):
+                return getattr(api, name)
         raise AttributeError(f"module 'ferrogrpc' has no attribute {name!r}")
 
 

@@ -207,7 +207,8 @@ class LaneRunner:
                 header.chunk_index = item.chunk
                 header.offset = item.lo
                 if self.wire is not None:
-                    message = self._narrowed_message(header, data)
+                    # An all-gather's own block: as every other rank gets it.
+                    message = self._narrowed_message(header, data, self.job.kind == pb.ALL_GATHER)
                 else:
                     payload = bytes_view(data)
                     if checksum is not None:
@@ -228,16 +229,16 @@ class LaneRunner:
         )
         self.out = None
 
-    def _narrowed_message(self, header: pb.ChunkHeader, data: torch.Tensor) -> bytes:
-        """The message carrying ``data`` (this rank's own, in the buffer's
-        dtype) in the wire dtype: converted straight into the message, with
-        no converted copy in between."""
+    def _narrowed_message(self, header: pb.ChunkHeader, data: torch.Tensor, round_: bool) -> bytes:
+        """The message carrying ``data`` (in the buffer's dtype) in the wire
+        dtype: converted straight into the message, with no converted copy
+        in between; with ``round_``, ``data`` is rounded to it too."""
         assert self.wire is not None
         frame = self._frame(header, data.numel())
         narrow = frame.payload(self.wire)
         narrow.copy_(data)
-        if self.job.kind == pb.ALL_GATHER:
-            data.copy_(narrow)  # this rank's own block, as every other rank gets it
+        if round_:
+            data.copy_(narrow)
         return self._seal(header, frame)
 
     def _wide_or(self, incoming: torch.Tensor) -> torch.Tensor:
@@ -293,8 +294,9 @@ class LaneRunner:
     def _reduced_message(self, index: int, incoming: torch.Tensor | None, reduce: Reducer) -> bytes:
         """The message forwarding receive item ``index``: this rank's range
         reduced with ``incoming``, written in place into the message."""
-        header, frame = self._forward_frame(index)
         send = self.forwards[index]
+        header = self._forward_header(index)
+        frame = self._frame(header, send.hi - send.lo)
         local = self.job.buffer[send.lo : send.hi]
         if incoming is not None:
             if self.wire is None:
@@ -306,15 +308,14 @@ class LaneRunner:
                 frame.payload(self.wire).copy_(partial)
         return self._seal(header, frame)
 
-    def _forward_frame(self, index: int) -> tuple[pb.ChunkHeader, wire.Frame]:
-        """The header and the (empty) frame of the message that forwards
-        receive item ``index``."""
+    def _forward_header(self, index: int) -> pb.ChunkHeader:
+        """The header of the message that forwards receive item ``index``."""
         send = self.forwards[index]
         header = self._header()
         header.step = send.step
         header.chunk_index = send.chunk
         header.offset = send.lo
-        return header, self._frame(header, send.hi - send.lo)
+        return header
 
     def _frame(self, header: pb.ChunkHeader, numel: int) -> wire.Frame:
         """A frame for ``numel`` elements in the wire dtype under ``header``
@@ -335,15 +336,10 @@ class LaneRunner:
         receives it. When the segment is forwarded next, it is rounded
         straight into the message that forwards it (no conversion again at
         send time); else through a scratch buffer."""
-        assert self.wire is not None
         if hold:
-            header, frame = self._forward_frame(index)
-            narrow = frame.payload(self.wire)
-            narrow.copy_(target)
-            target.copy_(narrow)
-            self.outgoing[index] = self._seal(header, frame)
-            return
-        target.copy_(self._narrow.filled(target))
+            self.outgoing[index] = self._narrowed_message(self._forward_header(index), target, True)
+        else:
+            target.copy_(self._narrow.filled(target))
 
     def _check_header(self, header: pb.ChunkHeader, payload: memoryview, index: int) -> None:
         item = self.plan.recvs[index]

@@ -404,9 +404,8 @@ def _tensor(data: memoryview, dtype: torch.dtype, into: torch.dtype) -> torch.Te
 
 
 def _reduce_into(out: torch.Tensor, values: list[torch.Tensor], op: ReduceOp, world: int) -> None:
-    """``out`` = values[0] op values[1] op ... in rank order, as
-    :func:`_reduce`, written straight into ``out``, which may be one of the
-    values (this rank's own)."""
+    """``out`` = values[0] op values[1] op ... in rank order: the same bits on
+    every rank. ``out`` may be one of the values (this rank's own)."""
     if any(v is out for v in values[2:]):
         values = [v.clone() if v is out else v for v in values]  # read after out is written
     reduce = REDUCERS[op]
@@ -418,11 +417,7 @@ def _reduce_into(out: torch.Tensor, values: list[torch.Tensor], op: ReduceOp, wo
 
 
 def _reduce(values: list[torch.Tensor], op: ReduceOp, world: int) -> torch.Tensor:
-    """values[0] op values[1] op ... in rank order: the same bits on every rank."""
-    reduce = REDUCERS[op]
-    acc = values[0].clone()
-    for value in values[1:]:
-        reduce(acc, value, acc)
-    if op is ReduceOp.MEAN:
-        acc.div_(world)
+    """:func:`_reduce_into` a new tensor (for an output that may overlap a value)."""
+    acc = torch.empty_like(values[0])
+    _reduce_into(acc, values, op, world)
     return acc

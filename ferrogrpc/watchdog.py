@@ -87,7 +87,7 @@ class Watchdog:
 
         timer = loop.call_later(min(PROBE_S, self.idle) / 4, start)
         try:
-            await work
+            await self._noting(work)
         except asyncio.CancelledError:
             if not found:
                 raise
@@ -95,10 +95,6 @@ class Watchdog:
             if self.first_failure is None:
                 self.first_failure = found[0]
             raise found[0] from None
-        except Exception as exc:
-            if self.first_failure is None:
-                self.first_failure = exc
-            raise
         finally:
             timer.cancel()
             if watcher is not None:
