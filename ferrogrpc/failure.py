@@ -10,7 +10,8 @@ itself, set when it was built: its :class:`~ferrogrpc.errors.Evidence`.
 The rules, in order:
 
 1. A symptom (a stream that ended, a write that failed) names a neighbour
-   that may only have failed because of something else. Wait up to
+   that may only have failed because of something else; so does another
+   rank's in-band report of a symptom it saw. Wait up to
    ``ECHO_GRACE_S`` for a report, and ping that neighbour meanwhile: one that
    does not answer is the cause, at once; one that answers gets up to twice
    the grace for its report to land.
@@ -154,10 +155,13 @@ class FailurePolicy:
             culprit=err.peer if err.peer is not None else -1,
             nonce=self._nonce,
             refused=refused,
+            symptom=err.evidence is Evidence.SYMPTOM,
         )
 
     def from_report(self, abort: pb.Abort) -> FerroGrpcError:
-        """Another rank's report, as this rank raises it."""
+        """Another rank's report, as this rank raises it. A report of a
+        symptom stays a symptom (rule 1 applies to it here too): a rank that
+        fails tells its neighbour in band before it has waited for the cause."""
         culprit = abort.culprit if 0 <= abort.culprit < self.identity.world_size else None
         if abort.refused:
             return self.identity.error(
@@ -175,7 +179,7 @@ class FailurePolicy:
             op=self._name_of(abort.seq),
             seq=abort.seq,
             peer=culprit,
-            evidence=Evidence.RELAYED,
+            evidence=Evidence.SYMPTOM if abort.symptom else Evidence.RELAYED,
         )
 
     def receive(self, abort: pb.Abort) -> None:

@@ -106,6 +106,32 @@ async def test_a_relayed_report_beats_the_symptom_it_caused() -> None:
     assert notifier.aborts == [] and len(breaks) == 1
 
 
+async def test_a_relayed_symptom_waits_for_the_cause_like_the_symptom_itself() -> None:
+    # Rank 1 saw rank 2's stream end (a symptom) and told this rank in band,
+    # before its own wait for the cause; rank 2, which found the cause
+    # (rank 3's corrupted chunk), reports it a moment later. The relay of the
+    # symptom must not beat the report of the cause.
+    policy, _, _ = _policy(alive={1, 2, 3})
+    sender = FailurePolicy(Identity(1, 4, ME.addresses), FakeNotifier(set()))
+    relayed = policy.from_report(sender.abort_message(_symptom(2)))
+    assert relayed.evidence is Evidence.SYMPTOM and relayed.peer == 2
+
+    async def report_later() -> None:
+        await asyncio.sleep(0.2)
+        policy.receive(
+            pb.Abort(seq=7, from_rank=2, error="ProtocolError", message="rank 3's chunk", culprit=3)
+        )
+
+    reporter = asyncio.ensure_future(report_later())
+    err = await policy.settle(relayed, "all_reduce", 7)
+    await reporter
+    assert isinstance(err, ProtocolError) and err.peer == 3, err
+    assert "rank 2 reported" in err.message, err
+    # A report of a cause, in band, is still the cause at once.
+    found = policy.from_report(sender.abort_message(ProtocolError("bad chunk", peer=3)))
+    assert found.evidence is Evidence.RELAYED
+
+
 async def test_a_ranks_own_finding_beats_a_relay_of_it_that_arrived_first() -> None:
     policy, _, _ = _policy(alive={1, 2, 3})
     policy.receive(_report(from_rank=2, culprit=1))

@@ -154,7 +154,7 @@ class StreamAck(_message.Message):
     def __init__(self, chunks: _Optional[int] = ...) -> None: ...
 
 class Abort(_message.Message):
-    __slots__ = ("group", "seq", "from_rank", "error", "message", "culprit", "nonce", "refused")
+    __slots__ = ("group", "seq", "from_rank", "error", "message", "culprit", "nonce", "refused", "symptom")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     FROM_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,7 @@ class Abort(_message.Message):
     CULPRIT_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    SYMPTOM_FIELD_NUMBER: _ClassVar[int]
     group: int
     seq: int
     from_rank: int
@@ -171,7 +172,8 @@ class Abort(_message.Message):
     culprit: int
     nonce: str
     refused: bool
-    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., from_rank: _Optional[int] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., culprit: _Optional[int] = ..., nonce: _Optional[str] = ..., refused: _Optional[bool] = ...) -> None: ...
+    symptom: bool
+    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., from_rank: _Optional[int] = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., culprit: _Optional[int] = ..., nonce: _Optional[str] = ..., refused: _Optional[bool] = ..., symptom: _Optional[bool] = ...) -> None: ...
 
 class AbortAck(_message.Message):
     __slots__ = ()
