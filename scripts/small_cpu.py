@@ -4,6 +4,11 @@ per thread, of back-to-back 4 B all_reduces (or barriers), on rank 0.
     python scripts/small_cpu.py --world 2            # same host: direct sockets
     python scripts/small_cpu.py --world 2 --grpc     # every byte over gRPC
     python scripts/small_cpu.py --world 4 --op barrier
+    python scripts/small_cpu.py --world 2 --grpc --gap-ms 2   # each call after a 2 ms sleep
+
+With ``--gap-ms`` every call starts after a sleep, when this rank's threads
+have gone to sleep (as in the bench, where each call follows a gloo
+barrier), and rank 0 also prints the median call, the sleeps excluded.
 
 CPU time comes from /proc/self/task/*/stat (utime + stime, in clock ticks),
 read before and after the timed calls; only threads that used any show.
@@ -49,15 +54,28 @@ def worker(args: argparse.Namespace) -> None:
     for _ in range(200):
         call()
     tick = os.sysconf("SC_CLK_TCK")
+    gap = args.gap_ms / 1e3
+    times = []
     before, w0, c0 = _cpu_by_thread(), time.perf_counter(), time.process_time()
     for _ in range(args.calls):
+        if gap:
+            time.sleep(gap)
+        start = time.perf_counter()
         call()
+        times.append(time.perf_counter() - start)
     w1, c1, after = time.perf_counter(), time.process_time(), _cpu_by_thread()
+    if gap:
+        w1 = w0 + sum(times)
     if backend.rank == 0:
         n = args.calls
         print(
             f"{args.op} world {backend.world_size} path {backend.data_path}: "
-            f"wall {(w1 - w0) / n * 1e6:.0f} us/call, CPU {(c1 - c0) / n * 1e6:.0f} us/call",
+            f"wall {(w1 - w0) / n * 1e6:.0f} us/call, CPU {(c1 - c0) / n * 1e6:.0f} us/call"
+            + (
+                f", median {sorted(times)[n // 2] * 1e6:.0f} us {args.gap_ms:g} ms apart"
+                if gap
+                else ""
+            ),
             flush=True,
         )
         for key, ticks in sorted(after.items()):
@@ -73,8 +91,11 @@ def main() -> int:
     parser.add_argument("--grpc", action="store_true", help="FERROGRPC_SHM=0: every byte over gRPC")
     parser.add_argument("--op", choices=("all_reduce", "barrier"), default="all_reduce")
     parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--gap-ms", type=float, default=0.0, help="sleep before every call")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.calls < 1 or args.gap_ms < 0:
+        parser.error("--calls must be at least 1 and --gap-ms not negative")
     if args.worker:
         worker(args)
         return 0
