@@ -64,24 +64,38 @@ def _measure(
     barrier: Callable[[], None],
     iters: int,
     warmup: int,
+    before: dict[str, Callable[[], Any]] | None = None,
+    after: dict[str, Callable[[], Any]] | None = None,
 ) -> dict[str, list[float]]:
     """Times of every implementation, after ``warmup`` calls of each: one
     iteration of each in turn, so that the shared machine's slow and fast
-    spells fall on all of them alike."""
-    for fn in ops.values():
+    spells fall on all of them alike. ``before[name]`` (preparing the input)
+    and ``after[name]`` (checking the result) run around every call of
+    ``ops[name]``, before its barrier and after its clock stops: untimed."""
+    before = before or {}
+    after = after or {}
+
+    def call(name: str) -> float:
+        if name in before:
+            before[name]()
         barrier()
+        start = time.perf_counter()
+        ops[name]()
+        elapsed = time.perf_counter() - start
+        if name in after:
+            after[name]()
+        return elapsed
+
+    for name in ops:
         for _ in range(warmup):
-            fn()
+            call(name)
     times: dict[str, list[float]] = {name: [] for name in ops}
     names = list(ops)
     for i in range(iters):
         # The order rotates every round, so that no implementation always
         # runs right after another one's call.
         for name in rotated(names, i):
-            barrier()
-            start = time.perf_counter()
-            ops[name]()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(call(name))
     return times
 
 

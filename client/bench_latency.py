@@ -6,7 +6,8 @@ time over interleaved iterations (the slowest rank's), for gloo, ferrogrpc's
 same-host path (shared memory, the default on one machine) and its gRPC
 path (``FERROGRPC_SHM=0``), each as a ratio to gloo's. Then a bandwidth
 line: a 64 MiB float32 all_reduce over gRPC with ``wire_dtype=bfloat16``
-against float32. Every result is checked whole.
+against float32. Every result is checked whole, untimed: the input is set
+before each call's barrier and checked after its clock stops.
 
     python -m client.bench_latency --world-sizes 2 4 --iters 41
 """
@@ -19,6 +20,7 @@ import os
 import statistics
 import sys
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from client.bench import _measure, collect, fmt_size, parse_size
@@ -27,6 +29,7 @@ from ferrogrpc.launch import free_port, spawn_ranks
 IMPLS = ("gloo", "shm", "grpc")
 SIZES = ["4", "64", "1K", "16K", "64K", "256K", "1M"]
 WIRE_BYTES = 64 << 20
+_Ops = dict[str, Callable[[], Any]]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -47,65 +50,71 @@ def worker(args: argparse.Namespace) -> None:
     rows: list[dict[str, Any]] = []
     checks: list[bool] = []
 
-    def ops_for(op: str, size: int) -> dict[str, Callable[[], Any]]:
+    def ops_for(op: str, size: int) -> tuple[_Ops, _Ops, _Ops]:
+        """The timed calls, and what runs untimed before (the input) and
+        after (the check of the whole result) each of them."""
         n = max(1, size // 4)
         if op == "barrier":
-            return {
-                "gloo": dist.barrier,
-                "shm": backends["shm"].barrier,
-                "grpc": backends["grpc"].barrier,
-            }
+            return (
+                {
+                    "gloo": dist.barrier,
+                    "shm": backends["shm"].barrier,
+                    "grpc": backends["grpc"].barrier,
+                },
+                {},
+                {},
+            )
         t = {impl: torch.full((n,), float(rank + 1)) for impl in IMPLS}
         if op == "all_reduce":
             expected = float(world * (world + 1) // 2)
 
             def reduce(impl: str) -> Callable[[], Any]:
-                def run() -> None:
-                    t[impl].fill_(float(rank + 1))
-                    if impl == "gloo":
-                        dist.all_reduce(t[impl])
-                    else:
-                        backends[impl].all_reduce(t[impl])
-                    checks.append(bool(t[impl].eq(expected).all()))
+                if impl == "gloo":
+                    return lambda: dist.all_reduce(t[impl])
+                return lambda: backends[impl].all_reduce(t[impl])
 
-                return run
-
-            return {impl: reduce(impl) for impl in IMPLS}
+            return (
+                {impl: reduce(impl) for impl in IMPLS},
+                {impl: partial(t[impl].fill_, float(rank + 1)) for impl in IMPLS},
+                {impl: partial(check, t[impl], expected) for impl in IMPLS},
+            )
         out = {impl: torch.empty(world * n) for impl in IMPLS}
         reference = torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(n)
 
         def gather(impl: str) -> Callable[[], Any]:
-            def run() -> None:
-                if impl == "gloo":
-                    dist.all_gather_into_tensor(out[impl], t[impl])
-                else:
-                    backends[impl].all_gather_into_tensor(out[impl], t[impl])
-                checks.append(bool(out[impl].eq(reference).all()))
+            if impl == "gloo":
+                return lambda: dist.all_gather_into_tensor(out[impl], t[impl])
+            return lambda: backends[impl].all_gather_into_tensor(out[impl], t[impl])
 
-            return run
+        return (
+            {impl: gather(impl) for impl in IMPLS},
+            {impl: partial(out[impl].fill_, -1.0) for impl in IMPLS},
+            {impl: partial(check, out[impl], reference) for impl in IMPLS},
+        )
 
-        return {impl: gather(impl) for impl in IMPLS}
+    def check(t: torch.Tensor, expected: float | torch.Tensor) -> None:
+        checks.append(bool(t.eq(expected).all()))
 
     cases = [("all_reduce", s) for s in args.sizes] + [("all_gather", s) for s in args.sizes]
     cases.append(("barrier", 0))
     for op, size in cases:
-        times = _measure(ops_for(op, size), dist.barrier, args.iters, args.warmup)
+        ops, before, after = ops_for(op, size)
+        times = _measure(ops, dist.barrier, args.iters, args.warmup, before, after)
         rows.append({"op": op, "size": size, "times": times})
     # Bandwidth with a wire dtype, over gRPC.
     grpc = backends["grpc"]
     big = {w: torch.ones(WIRE_BYTES // 4) for w in ("float32", "bfloat16")}
-
-    def wire_op(name: str) -> Callable[[], None]:
-        def run() -> None:
-            big[name].fill_(1.0)
-            grpc.all_reduce(big[name], wire_dtype=None if name == "float32" else torch.bfloat16)
-            checks.append(bool(big[name].eq(float(world)).all()))
-
-        return run
-
+    wires = {"float32": None, "bfloat16": torch.bfloat16}
     wire_times: dict[str, list[float]] = {w: [] for w in big}
     if args.wire_iters:
-        wire_times = _measure({w: wire_op(w) for w in big}, dist.barrier, args.wire_iters, 1)
+        wire_times = _measure(
+            {w: partial(grpc.all_reduce, big[w], wire_dtype=wires[w]) for w in big},
+            dist.barrier,
+            args.wire_iters,
+            1,
+            {w: partial(big[w].fill_, 1.0) for w in big},
+            {w: partial(check, big[w], float(world)) for w in big},
+        )
     result = {"rows": rows, "wire": wire_times, "ok": all(checks)}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, result)
@@ -143,20 +152,20 @@ def report(world: int, per_rank: list[dict[str, Any]]) -> str:
             f"{row['op']:>10} {size:>8} {med['gloo']:8.3f} | {med['shm']:8.3f} "
             f"{med['shm'] / med['gloo']:6.2f} | {med['grpc']:8.3f} {med['grpc'] / med['gloo']:6.2f}"
         )
-    if not per_rank[0]["wire"]["float32"]:  # --wire-iters 0
-        return "\n".join(lines)
-    wire = {}
-    for name in ("float32", "bfloat16"):
-        count = len(per_rank[0]["wire"][name])
-        wire[name] = statistics.median(
-            max(r["wire"][name][k] for r in per_rank) for k in range(count)
+    if per_rank[0]["wire"]["float32"]:  # else --wire-iters 0
+        wire = {}
+        for name in ("float32", "bfloat16"):
+            count = len(per_rank[0]["wire"][name])
+            wire[name] = statistics.median(
+                max(r["wire"][name][k] for r in per_rank) for k in range(count)
+            )
+        lines.append(
+            f"# all_reduce 64 MiB float32 over gRPC: float32 {wire['float32'] * 1e3:.1f} ms, "
+            f"wire_dtype=bfloat16 {wire['bfloat16'] * 1e3:.1f} ms "
+            f"({wire['bfloat16'] / wire['float32']:.2f} x)"
         )
-    lines.append(
-        f"# all_reduce 64 MiB float32 over gRPC: float32 {wire['float32'] * 1e3:.1f} ms, "
-        f"wire_dtype=bfloat16 {wire['bfloat16'] * 1e3:.1f} ms "
-        f"({wire['bfloat16'] / wire['float32']:.2f} x); results "
-        f"{'ok' if all(r['ok'] for r in per_rank) else 'WRONG'}"
-    )
+    # Every call's whole result, on every rank.
+    lines.append(f"# results {'ok' if all(r['ok'] for r in per_rank) else 'WRONG'}")
     return "\n".join(lines)
 
 

@@ -65,3 +65,46 @@ def test_bench_says_no_for_a_wrong_element_in_the_middle(tmp_path: Path) -> None
     assert rows["4 KiB"].rstrip().endswith(" yes"), f"expected yes: {rows['4 KiB']}"
     assert rows["64 KiB"].rstrip().endswith(" NO"), f"expected NO: {rows['64 KiB']}"
     assert proc.returncode == 1, proc.returncode
+
+
+# After each blocking ferrogrpc all_reduce, one element in the middle of the
+# result is off by one (any size).
+CORRUPT_EVERY = CORRUPT_MIDDLE.replace(" and tensor.numel() >= 16384", "")
+
+
+def _latency_bench(tmp_path: Path, corrupt: bool, *wire: str) -> subprocess.CompletedProcess[str]:
+    env = clean_env()
+    env["PYTHONPATH"] = str(ROOT)
+    if corrupt:
+        (tmp_path / "sitecustomize.py").write_text(CORRUPT_EVERY)
+        env["PYTHONPATH"] = f"{tmp_path}:{ROOT}"
+    args = ["--world-sizes", "2", "--sizes", "4", "64K", "--iters", "1", "--warmup", "0", *wire]
+    proc = subprocess.run(
+        [sys.executable, "-m", "client.bench_latency", *args, "--timeout", "100"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    print(proc.stdout)
+    return proc
+
+
+@pytest.mark.timeout(120)
+def test_latency_bench_reports_every_op_and_checks_the_results(tmp_path: Path) -> None:
+    proc = _latency_bench(tmp_path, False, "--wire-iters", "1")
+    sizes = {" ".join(line.split()[:2]) for line in proc.stdout.splitlines()}
+    assert {"all_reduce 4", "all_reduce 64", "all_gather 4", "all_gather 64"} <= sizes, proc.stdout
+    assert any(line.split()[0] == "barrier" for line in proc.stdout.splitlines() if line.strip())
+    assert "wire_dtype=bfloat16" in proc.stdout, proc.stdout + proc.stderr
+    assert "# results ok" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.returncode
+
+
+@pytest.mark.timeout(120)
+def test_latency_bench_says_wrong_for_a_wrong_result(tmp_path: Path) -> None:
+    # The check runs untimed, after each call: it still sees every result.
+    proc = _latency_bench(tmp_path, True, "--wire-iters", "0")
+    assert "# results WRONG" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 1, proc.returncode
