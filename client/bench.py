@@ -66,22 +66,34 @@ def _measure(
     warmup: int,
     before: dict[str, Callable[[], Any]] | None = None,
     after: dict[str, Callable[[], Any]] | None = None,
+    start: Callable[[], float] | None = None,
+    barriers: dict[str, Callable[[], Any]] | None = None,
 ) -> dict[str, list[float]]:
     """Times of every implementation, after ``warmup`` calls of each: one
     iteration of each in turn, so that the shared machine's slow and fast
     spells fall on all of them alike. ``before[name]`` (preparing the input)
     and ``after[name]`` (checking the result) run around every call of
-    ``ops[name]``, before its barrier and after its clock stops: untimed."""
+    ``ops[name]``, before its barrier and after its clock stops: untimed.
+
+    Each call starts after ``barrier()`` (or ``barriers[name]()``, that
+    implementation's own), timed from this rank's own start; or, with
+    ``start``, at the instant ``start()`` returns (on ``time.monotonic``'s
+    clock, which every process of one host shares), timed from that instant,
+    so that no barrier's uneven exit is counted."""
     before = before or {}
     after = after or {}
+    barriers = barriers or {}
 
     def call(name: str) -> float:
         if name in before:
             before[name]()
-        barrier()
-        start = time.perf_counter()
+        if start is None:
+            barriers.get(name, barrier)()
+            began = time.monotonic()
+        else:
+            began = start()
         ops[name]()
-        elapsed = time.perf_counter() - start
+        elapsed = time.monotonic() - began
         if name in after:
             after[name]()
         return elapsed

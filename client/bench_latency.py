@@ -9,16 +9,33 @@ line: a 64 MiB float32 all_reduce over gRPC with ``wire_dtype=bfloat16``
 against float32. Every result is checked whole, untimed: the input is set
 before each call's barrier and checked after its clock stops.
 
+How a call starts (``--start``), each timed on every rank and the slowest
+rank's time kept:
+
+- ``own`` (the default): each implementation's call follows its own
+  barrier, and each rank is timed from its own start, as osu_allreduce
+  times MPI's: a collective after the same library's last one.
+- ``gloo``: every implementation's call follows a gloo barrier. Its uneven
+  exit leaves the ranks in the order of gloo's ring, which suits gloo's
+  next collective and not an exchange among all ranks.
+- ``clock``: every rank sleeps until one agreed instant (10 ms after rank 0
+  leaves a gloo barrier, broadcast to all; one host's processes share
+  ``time.monotonic``'s clock) and is timed from it: a simultaneous start,
+  from idle, which adds the machine's wake-up latency to every time.
+
     python -m client.bench_latency --world-sizes 2 4 --iters 41
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -30,6 +47,20 @@ IMPLS = ("gloo", "shm", "grpc")
 SIZES = ["4", "64", "1K", "16K", "64K", "256K", "1M"]
 WIRE_BYTES = 64 << 20
 _Ops = dict[str, Callable[[], Any]]
+# How far ahead of rank 0's barrier exit the agreed start of a call lies
+# (--start clock): past the other ranks' exits and the broadcast of it.
+START_LEAD_S = 0.01
+START_WORDS = {
+    "own": "each call after its own implementation's barrier",
+    "gloo": "each call after a gloo barrier",
+    "clock": "all ranks start at one agreed instant",
+}
+
+
+def _set_timer_slack_ns(ns: int) -> None:
+    """prctl(PR_SET_TIMERSLACK): how late the kernel may end this thread's sleeps."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(29, ctypes.c_ulong(ns), 0, 0, 0)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -49,6 +80,29 @@ def worker(args: argparse.Namespace) -> None:
     }
     rows: list[dict[str, Any]] = []
     checks: list[bool] = []
+    late = [0]  # calls that began after their agreed start (see clock_start)
+    # Sleeps end within a microsecond or so of their deadline, not 50 us
+    # after it (the default timer slack), on every rank alike.
+    _set_timer_slack_ns(1)
+
+    def clock_start() -> float:
+        """Every rank starts at one agreed instant, START_LEAD_S after rank 0
+        leaves a barrier, sleeping until then."""
+        dist.barrier()
+        at = torch.tensor([time.monotonic() + START_LEAD_S], dtype=torch.float64)
+        dist.broadcast(at, 0)
+        began = float(at.item())
+        wait = began - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        else:
+            late[0] += 1
+        return began
+
+    start = clock_start if args.start == "clock" else None
+    barriers: _Ops = {}
+    if args.start == "own":
+        barriers = {impl: partial(backends[impl].barrier) for impl in ("shm", "grpc")}
 
     def ops_for(op: str, size: int) -> tuple[_Ops, _Ops, _Ops]:
         """The timed calls, and what runs untimed before (the input) and
@@ -99,7 +153,7 @@ def worker(args: argparse.Namespace) -> None:
     cases.append(("barrier", 0))
     for op, size in cases:
         ops, before, after = ops_for(op, size)
-        times = _measure(ops, dist.barrier, args.iters, args.warmup, before, after)
+        times = _measure(ops, dist.barrier, args.iters, args.warmup, before, after, start, barriers)
         rows.append({"op": op, "size": size, "times": times})
     # Bandwidth with a wire dtype, over gRPC.
     grpc = backends["grpc"]
@@ -115,7 +169,7 @@ def worker(args: argparse.Namespace) -> None:
             {w: partial(big[w].fill_, 1.0) for w in big},
             {w: partial(check, big[w], float(world)) for w in big},
         )
-    result = {"rows": rows, "wire": wire_times, "ok": all(checks)}
+    result = {"rows": rows, "wire": wire_times, "ok": all(checks), "late": late[0]}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, result)
     if rank == 0:
@@ -129,11 +183,11 @@ def _size(n: int) -> str:
     return fmt_size(n) if n >= 1024 else f"{n} B"
 
 
-def report(world: int, per_rank: list[dict[str, Any]]) -> str:
+def report(world: int, per_rank: list[dict[str, Any]], start: str = "own") -> str:
     iters = len(per_rank[0]["rows"][0]["times"]["gloo"])
     lines = [
         f"# latency, world_size {world}, median of {iters} interleaved iterations "
-        "(time = slowest rank), ms; x = time / gloo's",
+        f"(time = slowest rank, {START_WORDS[start]}), ms; x = time / gloo's",
         f"{'op':>10} {'size':>8} {'gloo':>8} | {'shm':>8} {'x':>6} | {'grpc':>8} {'x':>6}",
     ]
     for i, row in enumerate(per_rank[0]["rows"]):
@@ -164,6 +218,9 @@ def report(world: int, per_rank: list[dict[str, Any]]) -> str:
             f"wire_dtype=bfloat16 {wire['bfloat16'] * 1e3:.1f} ms "
             f"({wire['bfloat16'] / wire['float32']:.2f} x)"
         )
+    late = sum(r["late"] for r in per_rank)
+    if late:
+        lines.append(f"# {late} calls on some rank began after the agreed start (counted from it)")
     # Every call's whole result, on every rank.
     lines.append(f"# results {'ok' if all(r['ok'] for r in per_rank) else 'WRONG'}")
     return "\n".join(lines)
@@ -180,6 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=41)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--wire-iters", type=int, default=7)
+    parser.add_argument(
+        "--start",
+        choices=tuple(START_WORDS),
+        default="own",
+        help="own: each call follows its own implementation's barrier (default); gloo: every "
+        "call follows a gloo barrier; clock: all ranks start each call at one agreed instant, "
+        "timed from it (see the module docstring)",
+    )
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gloo-port", type=int, help=argparse.SUPPRESS)
@@ -197,8 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         cmd += ["--gloo-port", str(free_port()), "--grpc-port", str(free_port())]
         cmd += ["--iters", str(args.iters), "--warmup", str(args.warmup)]
         cmd += ["--wire-iters", str(args.wire_iters), "--sizes", *map(str, args.sizes)]
+        cmd += ["--start", args.start]
         per_rank = collect(spawn_ranks(world, cmd, OMP_NUM_THREADS="1"), args.timeout, "latency")
-        text = report(world, list(per_rank))
+        text = report(world, list(per_rank), args.start)
         print(text, flush=True)
         failed |= "WRONG" in text
     return 1 if failed else 0

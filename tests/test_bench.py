@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from client.bench import result_ok
+from client.bench_latency import START_WORDS
 from tests.helpers import ROOT, clean_env
 
 # Loaded by every Python process of the bench run below (sitecustomize on
@@ -92,13 +93,15 @@ def _latency_bench(tmp_path: Path, corrupt: bool, *wire: str) -> subprocess.Comp
 
 
 @pytest.mark.timeout(120)
-def test_latency_bench_reports_every_op_and_checks_the_results(tmp_path: Path) -> None:
-    proc = _latency_bench(tmp_path, False, "--wire-iters", "1")
+@pytest.mark.parametrize("start", ["own", "gloo", "clock"])
+def test_latency_bench_reports_every_op_and_checks_the_results(tmp_path: Path, start: str) -> None:
+    proc = _latency_bench(tmp_path, False, "--wire-iters", "1", "--start", start)
     sizes = {" ".join(line.split()[:2]) for line in proc.stdout.splitlines()}
     assert {"all_reduce 4", "all_reduce 64", "all_gather 4", "all_gather 64"} <= sizes, proc.stdout
     assert any(line.split()[0] == "barrier" for line in proc.stdout.splitlines() if line.strip())
     assert "wire_dtype=bfloat16" in proc.stdout, proc.stdout + proc.stderr
     assert "# results ok" in proc.stdout, proc.stdout + proc.stderr
+    assert START_WORDS[start] in proc.stdout
     assert proc.returncode == 0, proc.returncode
 
 
