@@ -5,6 +5,7 @@ per thread, of back-to-back 4 B all_reduces (or barriers), on rank 0.
     python scripts/small_cpu.py --world 2 --grpc     # every byte over gRPC
     python scripts/small_cpu.py --world 4 --op barrier
     python scripts/small_cpu.py --world 2 --grpc --gap-ms 2   # each call after a 2 ms sleep
+    python scripts/small_cpu.py --world 4 --gloo             # the same loop on torch's gloo
 
 With ``--gap-ms`` every call starts after a sleep, when this rank's threads
 have gone to sleep (as in the bench, where each call follows a gloo
@@ -42,14 +43,28 @@ def worker(args: argparse.Namespace) -> None:
     import ferrogrpc as fg
 
     torch.set_num_threads(1)
-    backend = fg.init_backend(shm=not args.grpc)
     t = torch.ones(1)
+    if args.gloo:
+        import torch.distributed as dist
 
-    def call() -> None:
-        if args.op == "barrier":
-            backend.barrier()
-        else:
-            backend.all_reduce(t)
+        dist.init_process_group("gloo")  # MASTER_ADDR/PORT from the launcher
+        rank, world, path = dist.get_rank(), dist.get_world_size(), "gloo"
+
+        def call() -> None:
+            if args.op == "barrier":
+                dist.barrier()
+            else:
+                dist.all_reduce(t)
+
+    else:
+        backend = fg.init_backend(shm=not args.grpc)
+        rank, world, path = backend.rank, backend.world_size, backend.data_path
+
+        def call() -> None:
+            if args.op == "barrier":
+                backend.barrier()
+            else:
+                backend.all_reduce(t)
 
     for _ in range(200):
         call()
@@ -66,10 +81,10 @@ def worker(args: argparse.Namespace) -> None:
     w1, c1, after = time.perf_counter(), time.process_time(), _cpu_by_thread()
     if gap:
         w1 = w0 + sum(times)
-    if backend.rank == 0:
+    if rank == 0:
         n = args.calls
         print(
-            f"{args.op} world {backend.world_size} path {backend.data_path}: "
+            f"{args.op} world {world} path {path}: "
             f"wall {(w1 - w0) / n * 1e6:.0f} us/call, CPU {(c1 - c0) / n * 1e6:.0f} us/call"
             + (
                 f", median {sorted(times)[n // 2] * 1e6:.0f} us {args.gap_ms:g} ms apart"
@@ -82,13 +97,17 @@ def worker(args: argparse.Namespace) -> None:
             used = ticks - before.get(key, 0)
             if used:
                 print(f"  thread {key[1]}: {used / tick / n * 1e6:.0f} us/call", flush=True)
-    backend.close()
+    if args.gloo:
+        dist.destroy_process_group()
+    else:
+        backend.close()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--grpc", action="store_true", help="FERROGRPC_SHM=0: every byte over gRPC")
+    parser.add_argument("--gloo", action="store_true", help="the same loop on torch's gloo")
     parser.add_argument("--op", choices=("all_reduce", "barrier"), default="all_reduce")
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--gap-ms", type=float, default=0.0, help="sleep before every call")
