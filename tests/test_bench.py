@@ -93,7 +93,7 @@ def _latency_bench(tmp_path: Path, corrupt: bool, *wire: str) -> subprocess.Comp
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("start", ["own", "gloo", "clock"])
+@pytest.mark.parametrize("start", ["own", "clock"])  # "gloo" differs from "own" in one argument
 def test_latency_bench_reports_every_op_and_checks_the_results(tmp_path: Path, start: str) -> None:
     proc = _latency_bench(tmp_path, False, "--wire-iters", "1", "--start", start)
     sizes = {" ".join(line.split()[:2]) for line in proc.stdout.splitlines()}
