@@ -432,8 +432,8 @@ def _reduce_tiny(
     if code is None or not 0 < n <= TINY_ELEMS or op not in (ReduceOp.SUM, ReduceOp.MEAN):
         return False
     fmt = _tiny_structs.get((code, n))
-    if fmt is None:
-        fmt = _tiny_structs[(code, n)] = struct.Struct(f"<{n}{code}")
+    if fmt is None:  # in native byte order, as torch holds the values
+        fmt = _tiny_structs[(code, n)] = struct.Struct(f"={n}{code}")
     mine = bytes_view(buf)
     acc = fmt.unpack(got[0] if rank != 0 else mine)
     try:
