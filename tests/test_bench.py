@@ -44,15 +44,19 @@ def test_result_ok_checks_every_element() -> None:
         t[500] = 8.0
 
 
-@pytest.mark.timeout(120)
-def test_bench_says_no_for_a_wrong_element_in_the_middle(tmp_path: Path) -> None:
-    (tmp_path / "sitecustomize.py").write_text(CORRUPT_MIDDLE)
+def _run_bench(
+    tmp_path: Path, module: str, corrupt: str | None, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m module`` at world 2, one iteration, no warmup; with
+    ``corrupt``, that sitecustomize is loaded by every process of the run."""
     env = clean_env()
-    env["PYTHONPATH"] = f"{tmp_path}:{ROOT}"
-    sizes = ["--world-sizes", "2", "--sizes", "4K", "64K"]
-    runs = ["--iters", "1", "--warmup", "0", "--timeout", "100"]
+    env["PYTHONPATH"] = str(ROOT)
+    if corrupt is not None:
+        (tmp_path / "sitecustomize.py").write_text(corrupt)
+        env["PYTHONPATH"] = f"{tmp_path}:{ROOT}"
+    runs = ["--world-sizes", "2", "--iters", "1", "--warmup", "0", "--timeout", "100"]
     proc = subprocess.run(
-        [sys.executable, "-m", "client.bench", *sizes, *runs],
+        [sys.executable, "-m", module, *runs, *args],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -60,6 +64,12 @@ def test_bench_says_no_for_a_wrong_element_in_the_middle(tmp_path: Path) -> None
         timeout=110,
     )
     print(proc.stdout)
+    return proc
+
+
+@pytest.mark.timeout(120)
+def test_bench_says_no_for_a_wrong_element_in_the_middle(tmp_path: Path) -> None:
+    proc = _run_bench(tmp_path, "client.bench", CORRUPT_MIDDLE, "--sizes", "4K", "64K")
     rows = {line.split()[0] + " " + line.split()[1]: line for line in proc.stdout.splitlines()}
     assert "4 KiB" in rows and "64 KiB" in rows, proc.stdout + proc.stderr
     # Untouched, and corrupted in the middle only.
@@ -73,23 +83,16 @@ def test_bench_says_no_for_a_wrong_element_in_the_middle(tmp_path: Path) -> None
 CORRUPT_EVERY = CORRUPT_MIDDLE.replace(" and tensor.numel() >= 16384", "")
 
 
-def _latency_bench(tmp_path: Path, corrupt: bool, *wire: str) -> subprocess.CompletedProcess[str]:
-    env = clean_env()
-    env["PYTHONPATH"] = str(ROOT)
-    if corrupt:
-        (tmp_path / "sitecustomize.py").write_text(CORRUPT_EVERY)
-        env["PYTHONPATH"] = f"{tmp_path}:{ROOT}"
-    args = ["--world-sizes", "2", "--sizes", "4", "64K", "--iters", "1", "--warmup", "0", *wire]
-    proc = subprocess.run(
-        [sys.executable, "-m", "client.bench_latency", *args, "--timeout", "100"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=110,
+def _latency_bench(tmp_path: Path, corrupt: bool, *args: str) -> subprocess.CompletedProcess[str]:
+    return _run_bench(
+        tmp_path,
+        "client.bench_latency",
+        CORRUPT_EVERY if corrupt else None,
+        "--sizes",
+        "4",
+        "64K",
+        *args,
     )
-    print(proc.stdout)
-    return proc
 
 
 @pytest.mark.timeout(120)
