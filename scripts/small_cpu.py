@@ -21,6 +21,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 
 
 def _cpu_by_thread() -> dict[tuple[str, str], int]:
@@ -44,27 +45,24 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     t = torch.ones(1)
+    barrier: Callable[[], object]
+    all_reduce: Callable[[torch.Tensor], object]
     if args.gloo:
         import torch.distributed as dist
 
         dist.init_process_group("gloo")  # MASTER_ADDR/PORT from the launcher
         rank, world, path = dist.get_rank(), dist.get_world_size(), "gloo"
-
-        def call() -> None:
-            if args.op == "barrier":
-                dist.barrier()
-            else:
-                dist.all_reduce(t)
-
+        barrier, all_reduce = dist.barrier, dist.all_reduce
     else:
         backend = fg.init_backend(shm=not args.grpc)
         rank, world, path = backend.rank, backend.world_size, backend.data_path
+        barrier, all_reduce = backend.barrier, backend.all_reduce
 
-        def call() -> None:
-            if args.op == "barrier":
-                backend.barrier()
-            else:
-                backend.all_reduce(t)
+    def call() -> None:
+        if args.op == "barrier":
+            barrier()
+        else:
+            all_reduce(t)
 
     for _ in range(200):
         call()
