@@ -1,7 +1,8 @@
 """Small collectives on one host, run from the caller's thread.
 
-When every rank shares one host, a small collective (at most
-``small.SMALL_BYTES``) is one exchange of messages on *direct sockets*: a
+When every rank shares one host, a small collective (``small.is_small``:
+at most ``small.SMALL_BYTES``, per rank's part for an all-gather or a
+reduce-scatter) is one exchange of messages on *direct sockets*: a
 Unix socket pair per pair of ranks, set up with the shared-memory plane
 (local.py), that the calling thread uses itself. A synchronous call runs
 the exchange in the calling thread itself, as gloo does: no hand-off to the

@@ -3,7 +3,9 @@ other rank, and each computes the result itself.
 
 Below ``SMALL_BYTES`` (and up to ``SMALL_WORLD`` ranks) a collective's cost
 is its latency, not its bytes: a ring needs ``2(n-1)`` steps, each a round of
-messages, while one exchange is a single round. A rank sends one message to
+messages, while one exchange is a single round. For an all-gather and a
+reduce-scatter the bound is on one rank's part, not the whole tensor (see
+:func:`is_small`). A rank sends one message to
 each other rank (over the host's shared-memory sockets to ranks on its host,
 over its long-lived gRPC link to the others: no new stream per collective),
 receives one from each, and reduces the values in rank order, so every rank
@@ -38,7 +40,16 @@ SMALL_WORLD = 16
 
 
 def is_small(desc: pb.Descriptor, itemsize: int) -> bool:
-    return desc.world_size <= SMALL_WORLD and desc.numel * itemsize <= SMALL_BYTES
+    """Whether a collective runs in one exchange. An all-gather or a
+    reduce-scatter is measured by one rank's part (the largest, for an
+    uneven reduce-scatter): in one exchange each rank sends every other
+    its part, which is what a ring moves too, in a single round instead of
+    ``n-1``. Anything else by the whole tensor, which each rank sends to
+    every other."""
+    numel = desc.numel
+    if desc.kind in (pb.ALL_GATHER, pb.REDUCE_SCATTER):
+        numel = -(-numel // max(1, desc.world_size))
+    return desc.world_size <= SMALL_WORLD and numel * itemsize <= SMALL_BYTES
 
 
 class Links:

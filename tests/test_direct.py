@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import ferrogrpc as fg
-from ferrogrpc.small import SMALL_BYTES
+from ferrogrpc.small import SMALL_BYTES, SmallRunner
+from ferrogrpc.v1 import collective_pb2 as pb
 from tests.helpers import ServedJob, backends, on_ranks
 
 pytestmark = pytest.mark.timeout(90)
@@ -87,6 +88,55 @@ def test_every_direct_kind_against_float64_and_in_the_callers_thread() -> None:
         for rank, seen in enumerate(threads):
             # Eight direct collectives, each run by the rank's calling thread.
             assert [name for name, _ in seen] == [callers[rank]] * 8, seen
+    finally:
+        for b in group:
+            b.close()
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["direct", "grpc"])
+def test_gathers_and_scatters_go_in_one_exchange_up_to_a_part_of_small_bytes(
+    shm: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An all-gather and a reduce-scatter are small by one rank's part: a
+    # part of SMALL_BYTES goes in one exchange (direct sockets on one host,
+    # one message per pair of ranks over gRPC), one element more goes the
+    # long way (shared segments, or rings). Results against float64, exact.
+    group = backends(WORLD, shm=shm)
+    part = SMALL_BYTES // 8  # float64 elements
+    seen: list[list[tuple[str, int]]] = [[] for _ in range(WORLD)]
+    exchanges: list[int] = []
+    if shm:
+        for backend, spied in zip(group, seen, strict=True):
+            _spy(backend, spied)
+    else:
+        run = SmallRunner.run
+
+        async def counting(self: SmallRunner) -> None:
+            exchanges.append(self.job.kind)
+            await run(self)
+
+        monkeypatch.setattr(SmallRunner, "run", counting)
+    try:
+
+        def work(rank: int) -> None:
+            b = group[rank]
+            for step, m in enumerate((part, part + 1)):
+                xs = [_inputs(r, 10 + step, m) for r in range(WORLD)]
+                gathered = torch.empty(WORLD * m, dtype=torch.float64)
+                b.all_gather_into_tensor(gathered, xs[rank])
+                torch.testing.assert_close(gathered, torch.cat(xs), rtol=0, atol=0)
+                # Uneven: the parts are m, m and m - 1 elements.
+                full = [_inputs(r, 20 + step, WORLD * m - 1) for r in range(WORLD)]
+                out = b.reduce_scatter(full[rank])
+                ref = torch.stack(full).sum(0).tensor_split(WORLD)[rank]
+                torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+
+        on_ranks(work, WORLD)
+        # The first size went in one exchange on every rank, the second not.
+        if shm:
+            assert [len(spied) for spied in seen] == [2] * WORLD, seen
+        else:
+            assert sorted(exchanges) == sorted([pb.ALL_GATHER, pb.REDUCE_SCATTER] * WORLD)
     finally:
         for b in group:
             b.close()
