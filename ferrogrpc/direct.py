@@ -70,7 +70,7 @@ REPORT_WAIT_S = 1.0
 def is_direct(desc: pb.Descriptor, itemsize: int) -> bool:
     """Whether a collective runs on the direct sockets (when every rank
     shares this host): every small one (small.py) but all_to_all."""
-    return desc.kind in DIRECT_KINDS and is_small(desc, itemsize)
+    return desc.kind in DIRECT_KINDS and is_small(desc, itemsize, by_part=True)
 
 
 class DeadlinePassedError(Exception):

@@ -39,6 +39,10 @@ class Engine:
         self.topology = topology or Topology.flat(ctx.identity.world_size)
         self.plane = plane
         self.links = Links(ctx)
+        # All-gathers and reduce-scatters are small by one rank's part, but
+        # where several hosts hold several ranks each (small.is_small).
+        topo = self.topology
+        self._by_part = topo.single_host or not topo.shares_memory
         # Small collectives run on direct sockets when every rank is on this host.
         self.direct: Direct | None = None
         if plane is not None and self.topology.single_host and ctx.identity.world_size > 1:
@@ -54,7 +58,10 @@ class Engine:
         which collectives take in turns (JobTable.turn)."""
         if descriptor.kind == pb.ALL_TO_ALL:
             return False
-        return self.plane is not None and not is_small(descriptor, itemsize)
+        return self.plane is not None and not self._small(descriptor, itemsize)
+
+    def _small(self, descriptor: pb.Descriptor, itemsize: int) -> bool:
+        return is_small(descriptor, itemsize, by_part=self._by_part)
 
     def close(self) -> None:
         if self.direct is not None:
@@ -70,7 +77,7 @@ class Engine:
         me, topo = self.ctx.identity, self.topology
         if job.direct:
             return (lambda: self._run_direct(job)), False
-        if job.kind == pb.ALL_TO_ALL or is_small(job.descriptor, job.buffer.element_size()):
+        if job.kind == pb.ALL_TO_ALL or self._small(job.descriptor, job.buffer.element_size()):
             runner = SmallRunner(self.ctx, self.links, self.plane, topo.local(me.rank), job)
             return runner.run, job.stage is None
         if self.plane is not None and topo.single_host:

@@ -4,8 +4,8 @@ other rank, and each computes the result itself.
 Below ``SMALL_BYTES`` (and up to ``SMALL_WORLD`` ranks) a collective's cost
 is its latency, not its bytes: a ring needs ``2(n-1)`` steps, each a round of
 messages, while one exchange is a single round. For an all-gather and a
-reduce-scatter the bound is on one rank's part, not the whole tensor (see
-:func:`is_small`). A rank sends one message to
+reduce-scatter the bound is on one rank's part, not the whole tensor, except
+where several hosts hold several ranks each (see :func:`is_small`). A rank sends one message to
 each other rank (over the host's shared-memory sockets to ranks on its host,
 over its long-lived gRPC link to the others: no new stream per collective),
 receives one from each, and reduces the values in rank order, so every rank
@@ -39,15 +39,20 @@ SMALL_BYTES = 256 << 10
 SMALL_WORLD = 16
 
 
-def is_small(desc: pb.Descriptor, itemsize: int) -> bool:
-    """Whether a collective runs in one exchange. An all-gather or a
-    reduce-scatter is measured by one rank's part (the largest, for an
-    uneven reduce-scatter): in one exchange each rank sends every other
-    its part, which is what a ring moves too, in a single round instead of
-    ``n-1``. Anything else by the whole tensor, which each rank sends to
-    every other."""
+def is_small(desc: pb.Descriptor, itemsize: int, *, by_part: bool) -> bool:
+    """Whether a collective runs in one exchange. With ``by_part``, an
+    all-gather or a reduce-scatter is measured by one rank's part (the
+    largest, for an uneven reduce-scatter): in one exchange each rank sends
+    every other its part, which is what a ring moves too, in a single round
+    instead of ``n-1``. Anything else, and those too without ``by_part``, by
+    the whole tensor, which each rank sends to every other.
+
+    ``by_part`` is for a group on one host, or with one rank per host:
+    where several hosts hold several ranks each, one exchange would send
+    every rank's part to every rank on the other hosts, several times the
+    cross-host bytes of the two-level path (hierarchy.py)."""
     numel = desc.numel
-    if desc.kind in (pb.ALL_GATHER, pb.REDUCE_SCATTER):
+    if by_part and desc.kind in (pb.ALL_GATHER, pb.REDUCE_SCATTER):
         numel = -(-numel // max(1, desc.world_size))
     return desc.world_size <= SMALL_WORLD and numel * itemsize <= SMALL_BYTES
 

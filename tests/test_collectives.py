@@ -209,3 +209,47 @@ async def test_all_gather_and_reduce_scatter_leave_inputs_byte_identical(
             *(p.reduce_scatter_tensor(o, t) for p, o, t in zip(peers, outs, padded, strict=True))
         )
         assert [_raw(t) for t in padded] == padded_raw, "reduce_scatter_tensor modified its input"
+
+
+@pytest.mark.parametrize(
+    ("hosts", "one_exchange"),
+    [(["a", "b", "c"], True), (["a", "a", "b", "b"], False)],
+    ids=["a-rank-per-host", "2x2"],
+)
+async def test_gathers_and_scatters_are_small_by_part_unless_hosts_share_ranks(
+    hosts: list[str], one_exchange: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A part of SMALL_BYTES per rank (the whole tensor world times that):
+    # one exchange with a rank per host (on one host: test_direct.py); the
+    # two-level path
+    # where hosts hold several ranks each, whose one exchange would send
+    # every part to every rank of the other host. Results against float64.
+    from ferrogrpc.small import SMALL_BYTES, SmallRunner
+    from ferrogrpc.v1 import collective_pb2 as pb
+
+    run = SmallRunner.run
+    exchanges: list[int] = []
+
+    async def counting(self: SmallRunner) -> None:
+        if self.job.kind in (pb.ALL_GATHER, pb.REDUCE_SCATTER):
+            exchanges.append(self.job.kind)
+        await run(self)
+
+    monkeypatch.setattr(SmallRunner, "run", counting)
+    world, part = len(hosts), SMALL_BYTES // 8
+    xs = [torch.randn(part, dtype=torch.float64) for _ in range(world)]
+    full = [torch.randn(world * part - 1, dtype=torch.float64) for _ in range(world)]
+    async with fg.testing.local_group(world, transport="shm", hosts=hosts) as peers:
+        outs = [torch.empty(world * part, dtype=torch.float64) for _ in range(world)]
+        await asyncio.gather(
+            *(p.all_gather_into_tensor(o, x) for p, o, x in zip(peers, outs, xs, strict=True))
+        )
+        parts = await asyncio.gather(
+            *(p.reduce_scatter(f) for p, f in zip(peers, full, strict=True))
+        )
+    for rank in range(world):
+        torch.testing.assert_close(outs[rank], torch.cat(xs), rtol=0, atol=0)
+        ref = torch.stack(full).sum(0).tensor_split(world)[rank]
+        torch.testing.assert_close(parts[rank], ref, rtol=0, atol=1e-12)
+    expected = [pb.ALL_GATHER, pb.REDUCE_SCATTER] * world if one_exchange else []
+    assert sorted(exchanges) == sorted(expected)
