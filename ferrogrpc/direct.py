@@ -35,7 +35,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import torch
 
@@ -236,6 +236,7 @@ class Direct:
         head = _HEAD.pack(len(desc) + view.nbytes, job.seq, len(desc)) + desc
         sock = self.socks[dst]
         parts = [memoryview(head), view]
+        ended: set[int] = set()  # other peers whose socket ended meanwhile
         try:
             while parts:
                 try:
@@ -247,35 +248,61 @@ class Direct:
                     parts.pop(0)
                 if parts:
                     parts[0] = parts[0][sent:]
-                    # Its socket is full: read what it sends meanwhile, so that
-                    # two ranks sending each other large messages never wait
-                    # on each other.
+                    # Its socket is full: read what every peer sends meanwhile,
+                    # so that ranks sending each other large messages never
+                    # wait on each other, two of them or in a cycle (each
+                    # blocked on the next one's socket).
                     readable, writable, _ = select.select(
-                        [sock], [sock], [], self.ctx.timeouts.idle
+                        [s for r, s in self.socks.items() if r not in ended],
+                        [sock],
+                        [],
+                        self.ctx.timeouts.idle,
                     )
-                    if readable:
-                        for seq, message in self._pull(job, dst):
+                    for ready in readable:
+                        src = self._rank_of[ready]
+                        pulled = self._pull(job, src, quiet_end=src != dst)
+                        if pulled is None:
+                            ended.add(src)  # looked at again if it is waited for
+                            continue
+                        for seq, message in pulled:
                             if seq >= job.seq:  # older: not run here (refused)
-                                self._early[(dst, seq)] = message
-                    elif not writable:
+                                self._early[(src, seq)] = message
+                    if not readable and not writable:
                         raise self._stuck(job, dst, "to accept a message")
         except FerroGrpcError:
             raise  # (a CollectiveTimeoutError is an OSError too)
         except (OSError, ValueError) as exc:
             raise self._gone(job, dst, exc) from None
 
-    def _pull(self, job: Job, src: int) -> list[tuple[int, tuple[bytes, memoryview]]]:
+    @overload
+    def _pull(
+        self, job: Job, src: int, *, quiet_end: Literal[False] = ...
+    ) -> list[tuple[int, tuple[bytes, memoryview]]]: ...
+    @overload
+    def _pull(
+        self, job: Job, src: int, *, quiet_end: bool
+    ) -> list[tuple[int, tuple[bytes, memoryview]]] | None: ...
+    def _pull(
+        self, job: Job, src: int, *, quiet_end: bool = False
+    ) -> list[tuple[int, tuple[bytes, memoryview]]] | None:
         """Read what ``src``'s socket holds, without waiting; return the
         messages it completed, as (seq, (descriptor, data)). A message's
-        rest that does not come is a stall, which the idle check catches."""
+        rest that does not come is a stall, which the idle check catches.
+        The socket's end raises (see :meth:`_gone`); with ``quiet_end`` it
+        returns None instead (a peer that finished and closed may have
+        sent all it had to)."""
         sock, buf = self.socks[src], self._inbuf[src]
         try:
             n = sock.recv_into(self._scratch, len(self._scratch), socket.MSG_DONTWAIT)
         except BlockingIOError:
             return []
         except (OSError, ValueError) as exc:
+            if quiet_end:
+                return None
             raise self._gone(job, src, exc) from None
         if n == 0:
+            if quiet_end:
+                return None
             raise self._gone(job, src, EOFError("the socket ended"))
         buf += self._scratch[:n]
         out = []

@@ -307,12 +307,17 @@ def test_a_peer_that_finished_and_closed_has_sent_all_it_had_to() -> None:
             b.close()
 
 
-def test_two_ranks_sending_each_other_more_than_a_socket_holds_never_wait_on_each_other() -> None:
-    # Socket buffers cut to a few KiB: both ranks' 256 KiB messages fill
-    # them at once, and each must read the other's while it sends its own.
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_sending_each_other_more_than_a_socket_holds_never_wait_on_each_other(
+    world: int,
+) -> None:
+    # Socket buffers cut to a few KiB: every rank's 256 KiB messages fill
+    # them at once, and each must read the others' while it sends its own;
+    # at world 3, not only the one it sends to (each rank blocked on the
+    # next one's socket is a cycle).
     import socket
 
-    group = backends(2, timeouts=fg.Timeouts(idle=5, collective=20))
+    group = backends(world, timeouts=fg.Timeouts(idle=5, collective=20))
     for b in group:
         direct = b.peer._engine.direct
         assert direct is not None
@@ -324,13 +329,16 @@ def test_two_ranks_sending_each_other_more_than_a_socket_holds_never_wait_on_eac
         def work(rank: int) -> float:
             start = time.monotonic()
             for step in range(3):
-                xs = [_inputs(r, step, SMALL_BYTES // 8) for r in range(2)]
+                xs = [_inputs(r, step, SMALL_BYTES // 8) for r in range(world)]
                 t = xs[rank].clone()
                 group[rank].all_reduce(t)
-                torch.testing.assert_close(t, xs[0] + xs[1], rtol=0, atol=0)
+                torch.testing.assert_close(t, torch.stack(xs).sum(0), rtol=0, atol=1e-12)
+                gathered = torch.empty(world * xs[0].numel(), dtype=torch.float64)
+                group[rank].all_gather_into_tensor(gathered, xs[rank])
+                torch.testing.assert_close(gathered, torch.cat(xs), rtol=0, atol=0)
             return time.monotonic() - start
 
-        took = on_ranks(work, 2)
+        took = on_ranks(work, world)
         assert max(took) < 5, took  # not an idle timeout's stall
     finally:
         for b in group:
