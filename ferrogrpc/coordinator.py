@@ -32,7 +32,7 @@ from .coordinator_client import SERVICE
 from .coordinator_client import CoordinatorRendezvous as CoordinatorRendezvous
 from .coordinator_client import fetch_status as fetch_status
 from .errors import ConfigError, RendezvousError
-from .grpc_auth import add_port, interceptors
+from .grpc_auth import add_port, aio_server, interceptors
 from .options import TLSConfig
 from .v1 import rendezvous_pb2 as rpb
 
@@ -395,12 +395,12 @@ class Coordinator:
     # --------------------------------------------------------------- server
 
     async def start(self, bind: str = "0.0.0.0:0") -> int:
-        server = grpc.aio.server(
-            options=[
+        server = aio_server(
+            [
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", self.limits.request_bytes),
             ],
-            interceptors=interceptors(self.token),
+            interceptors(self.token),
         )
         # Raw bytes in: requests are parsed (and refused) in the handlers, so
         # that a malformed one is one log line, not grpc's traceback.

@@ -8,6 +8,7 @@ use the same pieces, configured by the same settings (``FERROGRPC_TOKEN``,
 from __future__ import annotations
 
 import hmac
+import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -99,10 +100,43 @@ def _channel_args(
     return credentials, opts
 
 
+_runtime_kept = False
+_runtime_lock = threading.Lock()
+
+
+def keep_aio_runtime() -> None:
+    """Hold grpc.aio's process-wide runtime (its completion queue and poller
+    thread) for the rest of the process; call on a running event loop.
+
+    grpc.aio starts the runtime with the first channel or server and shuts
+    it down when the last one is freed. That shutdown waits, with no time
+    limit, until every operation still queued on the completion queue has
+    finished, and the free runs in whatever thread collects the garbage: a
+    call torn down mid-flight (a peer killed, a loop closed under it) can
+    make that thread wait forever (seen once, in a test process's final
+    ``gc.collect()``). Held, the runtime is never shut down: its poller is
+    a daemon thread, and each new event loop binds to it as before."""
+    global _runtime_kept
+    with _runtime_lock:
+        if not _runtime_kept:
+            grpc.aio.init_grpc_aio()  # type: ignore[attr-defined]  # one reference more, never released
+            _runtime_kept = True
+
+
+def aio_server(
+    options: Sequence[tuple[str, Any]], interceptors: Sequence[Any] = ()
+) -> grpc.aio.Server:
+    """An asyncio server (see :func:`keep_aio_runtime`)."""
+    keep_aio_runtime()
+    return grpc.aio.server(options=options, interceptors=interceptors)
+
+
 def aio_channel(
     target: str, tls: TLSConfig | None, options: Sequence[tuple[str, Any]] = ()
 ) -> grpc.aio.Channel:
-    """An asyncio channel to ``target``, over mutual TLS when ``tls`` is given."""
+    """An asyncio channel to ``target``, over mutual TLS when ``tls`` is given
+    (see :func:`keep_aio_runtime`)."""
+    keep_aio_runtime()
     credentials, opts = _channel_args(tls, options)
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=opts)

@@ -12,7 +12,7 @@ import grpc.aio
 
 from .errors import ERROR_CLASSES, ConfigError, Evidence, FerroGrpcError, PeerError, ProtocolError
 from .grpc_auth import TOKEN_METADATA_KEY as TOKEN_METADATA_KEY  # clients' name for it
-from .grpc_auth import add_port, aio_channel, interceptors, token_metadata
+from .grpc_auth import add_port, aio_channel, aio_server, interceptors, token_metadata
 from .options import TLSConfig
 from .transport import OutStream, SendHook, StreamHandler, Transport
 
@@ -228,7 +228,7 @@ class GrpcTransport(Transport):
 
     async def start(self, handler: StreamHandler) -> str:
         self._handler = handler
-        server = grpc.aio.server(options=self._options(), interceptors=self._interceptors)
+        server = aio_server(self._options(), self._interceptors)
         server.add_generic_rpc_handlers(
             (
                 grpc.method_handlers_generic_handler(

@@ -427,3 +427,37 @@ async def test_gone_neighbour_is_named_long_before_the_idle_timeout(
     if numel > 1000:
         assert "gone" in str(info.value), info.value
     assert elapsed < 10, elapsed
+
+
+@pytest.mark.timeout(60)
+def test_grpc_runtime_outlives_every_closed_backend_so_no_collection_shuts_it_down() -> None:
+    # grpc.aio shuts its runtime down when its last channel or server is
+    # freed, waiting for every queued operation to finish, in whatever thread
+    # collects the garbage (a hang, once, in a test process's last
+    # gc.collect()). ferrogrpc holds the runtime for the whole process: after
+    # every backend closed and every object collected, grpc's poller thread
+    # is still there. In a fresh process, where nothing else holds it.
+    code = (
+        "import gc, threading, time, torch\n"
+        "from tests.helpers import backends, on_ranks\n"
+        "group = backends(2)\n"
+        "ts = [torch.ones(3), torch.ones(3)]\n"
+        "on_ranks(lambda r: group[r].all_reduce(ts[r]), 2)\n"
+        "assert ts[0].tolist() == [2.0] * 3\n"
+        "for b in group:\n"
+        "    b.close()\n"
+        "del group\n"
+        "for _ in range(3):\n"
+        "    gc.collect()\n"
+        "time.sleep(0.5)\n"
+        "print('POLLERS', sum('_poll' in t.name for t in threading.enumerate()))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=True,
+    ).stdout
+    assert "POLLERS 1" in out, out
