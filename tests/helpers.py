@@ -180,6 +180,19 @@ def os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def os_thread_names() -> dict[str, int]:
+    """This process's threads as the kernel counts them, by name (``comm``)."""
+    names: dict[str, int] = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue  # ended meanwhile
+        names[name] = names.get(name, 0) + 1
+    return names
+
+
 def open_fds() -> int:
     """This process's open file descriptors (sockets, memfds, pipes...)."""
     return len(os.listdir("/proc/self/fd"))
