@@ -39,7 +39,7 @@ class Engine:
         self.topology = topology or Topology.flat(ctx.identity.world_size)
         self.plane = plane
         self.links = Links(ctx)
-        # All-gathers and reduce-scatters are small by one rank's part, but
+        # All-gathers and reduce-scatters are small by one rank's part, except
         # where several hosts hold several ranks each (small.is_small).
         topo = self.topology
         self._by_part = topo.single_host or not topo.shares_memory

@@ -5,11 +5,11 @@ Below ``SMALL_BYTES`` (and up to ``SMALL_WORLD`` ranks) a collective's cost
 is its latency, not its bytes: a ring needs ``2(n-1)`` steps, each a round of
 messages, while one exchange is a single round. For an all-gather and a
 reduce-scatter the bound is on one rank's part, not the whole tensor, except
-where several hosts hold several ranks each (see :func:`is_small`). A rank sends one message to
-each other rank (over the host's shared-memory sockets to ranks on its host,
-over its long-lived gRPC link to the others: no new stream per collective),
-receives one from each, and reduces the values in rank order, so every rank
-computes bitwise the same result. Every message carries the sender's
+where several hosts hold several ranks each (see :func:`is_small`). A rank
+sends one message to each other rank (over the host's shared-memory sockets
+to ranks on its host, over its long-lived gRPC link to the others: no new
+stream per collective), receives one from each, and reduces the values in
+rank order, so every rank computes bitwise the same result. Every message carries the sender's
 descriptor, checked as a ring's stream is, and a checksum when it crosses
 gRPC.
 """

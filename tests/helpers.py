@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
 import torch
 
 import ferrogrpc as fg
@@ -191,6 +192,24 @@ def os_thread_names() -> dict[str, int]:
             continue  # ended meanwhile
         names[name] = names.get(name, 0) + 1
     return names
+
+
+def count_exchanges(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the kind of every all-gather and reduce-scatter that runs in
+    one exchange (small.SmallRunner), in this process, from now on."""
+    from ferrogrpc.small import SmallRunner
+    from ferrogrpc.v1 import collective_pb2 as pb
+
+    kinds: list[int] = []
+    run = SmallRunner.run
+
+    async def counting(self: SmallRunner) -> None:
+        if self.job.kind in (pb.ALL_GATHER, pb.REDUCE_SCATTER):
+            kinds.append(self.job.kind)
+        await run(self)
+
+    monkeypatch.setattr(SmallRunner, "run", counting)
+    return kinds
 
 
 def open_fds() -> int:

@@ -10,8 +10,10 @@ import torch
 
 import ferrogrpc as fg
 from ferrogrpc import lane, local
+from ferrogrpc.small import SMALL_BYTES
+from ferrogrpc.v1 import collective_pb2 as pb
 from tests.conformance import check_all_reduce, run_conformance
-from tests.helpers import reference_sum
+from tests.helpers import count_exchanges, reference_sum
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -221,21 +223,10 @@ async def test_gathers_and_scatters_are_small_by_part_unless_hosts_share_ranks(
 ) -> None:
     # A part of SMALL_BYTES per rank (the whole tensor world times that):
     # one exchange with a rank per host (on one host: test_direct.py); the
-    # two-level path
-    # where hosts hold several ranks each, whose one exchange would send
-    # every part to every rank of the other host. Results against float64.
-    from ferrogrpc.small import SMALL_BYTES, SmallRunner
-    from ferrogrpc.v1 import collective_pb2 as pb
-
-    run = SmallRunner.run
-    exchanges: list[int] = []
-
-    async def counting(self: SmallRunner) -> None:
-        if self.job.kind in (pb.ALL_GATHER, pb.REDUCE_SCATTER):
-            exchanges.append(self.job.kind)
-        await run(self)
-
-    monkeypatch.setattr(SmallRunner, "run", counting)
+    # two-level path where hosts hold several ranks each, whose one exchange
+    # would send every part to every rank of the other host. Results
+    # against float64.
+    exchanges = count_exchanges(monkeypatch)
     world, part = len(hosts), SMALL_BYTES // 8
     xs = [torch.randn(part, dtype=torch.float64) for _ in range(world)]
     full = [torch.randn(world * part - 1, dtype=torch.float64) for _ in range(world)]

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import ferrogrpc as fg
-from ferrogrpc.small import SMALL_BYTES, SmallRunner
+from ferrogrpc.small import SMALL_BYTES
 from ferrogrpc.v1 import collective_pb2 as pb
-from tests.helpers import ServedJob, backends, on_ranks
+from tests.helpers import ServedJob, backends, count_exchanges, on_ranks
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -104,18 +104,10 @@ def test_gathers_and_scatters_go_in_one_exchange_up_to_a_part_of_small_bytes(
     group = backends(WORLD, shm=shm)
     part = SMALL_BYTES // 8  # float64 elements
     seen: list[list[tuple[str, int]]] = [[] for _ in range(WORLD)]
-    exchanges: list[int] = []
+    exchanges = count_exchanges(monkeypatch)
     if shm:
         for backend, spied in zip(group, seen, strict=True):
             _spy(backend, spied)
-    else:
-        run = SmallRunner.run
-
-        async def counting(self: SmallRunner) -> None:
-            exchanges.append(self.job.kind)
-            await run(self)
-
-        monkeypatch.setattr(SmallRunner, "run", counting)
     try:
 
         def work(rank: int) -> None:
