@@ -14,13 +14,14 @@ import dataclasses
 import secrets
 
 from ._malloc import tune_allocator
+from .context import RankContext
 from .errors import Identity
 from .failure import FailurePolicy
 from .grpc_transport import HEADER_ROOM, GrpcTransport
-from .intake import Intake, Mailboxes, Session, credential
+from .intake import Intake, Session, credential
 from .jobs import JobTable
-from .lane import LaneContext
 from .local import LocalPlane, host_key
+from .mailboxes import Mailboxes
 from .options import ChunkPolicy
 from .rendezvous import Rendezvous, RendezvousResult, StoreRendezvous
 from .settings import Settings
@@ -43,7 +44,7 @@ def message_limit(policy: ChunkPolicy) -> int:
 class Parts:
     """One rank's connected parts, ready to build a peer from."""
 
-    ctx: LaneContext
+    ctx: RankContext
     jobs: JobTable
     rendezvous: Rendezvous
     address: str
@@ -157,7 +158,7 @@ async def join(
         await transport.close()
         await rendezvous.close()
         raise
-    ctx = LaneContext(me, transport, mailboxes, failure, s.timeouts, s.checksum, nonce=mine)
+    ctx = RankContext(me, transport, mailboxes, failure, s.timeouts, s.checksum, nonce=mine)
     return Parts(
         ctx,
         jobs,

@@ -39,12 +39,13 @@ from typing import Any, Literal, TypeVar, overload
 
 import torch
 
+from .context import RankContext
 from .errors import CollectiveTimeoutError, Evidence, FerroGrpcError, PeerError
 from .jobs import Job
-from .lane import LaneContext, bytes_view
 from .local import BEGIN, LocalPlane, split_small
 from .small import finish, is_small, mismatch, plan, wrong_size
 from .v1 import collective_pb2 as pb
+from .wire import bytes_view
 
 T = TypeVar("T")
 
@@ -118,7 +119,7 @@ class Direct:
 
     def __init__(
         self,
-        ctx: LaneContext,
+        ctx: RankContext,
         plane: LocalPlane,
         check_open: Callable[[], None],
         loop: asyncio.AbstractEventLoop,

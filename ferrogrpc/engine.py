@@ -7,15 +7,17 @@ import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
+from .context import RankContext
 from .descriptor import build_plans
 from .direct import DeadlinePassedError, Direct, is_direct
 from .errors import FerroGrpcError, PeerError
 from .hierarchy import HierRunner
 from .jobs import Job, JobTable
-from .lane import LaneContext, LaneRunner
+from .lane import LaneRunner
+from .links import Links
 from .local import LocalPlane
 from .localalgo import LocalRunner
-from .small import Links, SmallRunner, is_small
+from .small import SmallRunner, is_small
 from .topology import Topology
 from .v1 import collective_pb2 as pb
 
@@ -27,7 +29,7 @@ class Engine:
 
     def __init__(
         self,
-        ctx: LaneContext,
+        ctx: RankContext,
         jobs: JobTable,
         check_open: Callable[[], None],
         topology: Topology | None = None,

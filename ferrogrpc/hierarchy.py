@@ -31,9 +31,10 @@ import dataclasses
 import torch
 
 from . import schedule
+from .context import RankContext
 from .descriptor import build_plans
 from .jobs import Job, JobTable
-from .lane import LaneContext, LaneRunner
+from .lane import LaneRunner
 from .local import LocalPlane
 from .localalgo import LocalGroup, Partition
 from .ops import DTYPE_TO_WIRE, OP_TO_WIRE, ReduceOp
@@ -50,7 +51,7 @@ class HierRunner:
 
     def __init__(
         self,
-        ctx: LaneContext,
+        ctx: RankContext,
         jobs: JobTable,
         plane: LocalPlane | None,
         topology: Topology,

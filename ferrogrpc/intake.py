@@ -22,30 +22,16 @@ from collections.abc import Sequence
 from google.protobuf.message import DecodeError
 
 from . import wire
-from .errors import Evidence, FerroGrpcError, ProtocolError
+from .errors import ProtocolError
 from .failure import FailurePolicy
 from .jobs import JobTable
+from .mailboxes import P2P_KEY, Mailboxes, MailboxKey, copy_refusal
 from .transport import InStream
 from .v1 import collective_pb2 as pb
-
-# Streams for collectives this rank has not reached yet wait in mailboxes; a
-# sender can run ahead, but not without bound.
-MAX_UNCLAIMED_STREAMS = 4096
 
 # A stream opens with a header carrying only a descriptor and the sender's
 # credential (about a hundred bytes); anything longer is refused unread.
 FIRST_MESSAGE_MAX = 4096
-
-# (group, seq, lane, src_rank) for a collective's stream or message (a
-# message's part is its lane); (P2P_KEY, tag, n, part, src) for part of the
-# n-th point-to-point message from src with that tag (its header's step).
-MailboxKey = tuple[int, ...]
-P2P_KEY = -1
-
-# What arrives for a collective: a ring's stream, or one message of a small
-# collective off a link (its payload). Which one tells the consumer whether
-# the sender ran the collective the same way.
-Arrival = tuple[pb.ChunkHeader, "InStream | memoryview"]
 
 
 def credential(token: str | None, nonce: str) -> str:
@@ -57,48 +43,6 @@ def credential(token: str | None, nonce: str) -> str:
     if not token:
         return nonce
     return hmac.new(token.encode(), nonce.encode(), hashlib.sha256).hexdigest()
-
-
-class Mailbox:
-    """Where an incoming stream (or a link message) waits for the collective
-    that consumes it: ``arrived`` is set by the intake, ``done`` by the
-    consumer."""
-
-    __slots__ = ("arrived", "done")
-
-    def __init__(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.arrived: asyncio.Future[Arrival] = loop.create_future()
-        self.done: asyncio.Future[None] = loop.create_future()
-
-
-class Mailboxes:
-    """The mailboxes of one rank, by (group, seq, lane, source rank)."""
-
-    def __init__(self, limit: int = MAX_UNCLAIMED_STREAMS) -> None:
-        self._boxes: dict[MailboxKey, Mailbox] = {}
-        self._limit = limit
-
-    def get(self, key: MailboxKey) -> Mailbox:
-        box = self._boxes.get(key)
-        if box is None:
-            box = self._boxes[key] = Mailbox()
-        return box
-
-    def full(self, key: MailboxKey) -> bool:
-        return key not in self._boxes and len(self._boxes) >= self._limit
-
-    def drop(self, key: MailboxKey) -> None:
-        self._boxes.pop(key, None)
-
-    def drop_seq(self, group: int, seq: int, err: FerroGrpcError) -> None:
-        """Empty every mailbox of collective ``seq`` (nobody will consume
-        them): a stream waiting in one fails with ``err``."""
-        for key in [k for k in self._boxes if k[0] == group and k[1] == seq]:
-            box = self._boxes.pop(key)
-            if not box.done.done():
-                box.done.set_exception(_copy(err))
-                box.done.exception()  # retrieved: nobody may be waiting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +122,7 @@ class Intake:
         self._verify_nonce(s, header.src_rank, header.nonce, "a stream", origin)
         refusal = s.jobs.refused(header.seq)
         if refusal is not None:
-            raise _copy(refusal)  # the sender's collective fails with the refusal
+            raise copy_refusal(refusal)  # the sender's collective fails with the refusal
         if not s.jobs.expects(header.seq):
             raise ProtocolError(
                 f"stream from {origin} for seq {header.seq}, which this rank already finished"
@@ -251,7 +195,3 @@ class Intake:
             raise ProtocolError(f"abort from unknown rank {abort.from_rank}")
         self._verify_nonce(s, abort.from_rank, abort.nonce, "an abort", f"rank {abort.from_rank}")
         s.failure.receive(abort)
-
-
-def _copy(err: FerroGrpcError) -> FerroGrpcError:
-    return type(err)(err.message, peer=err.peer, evidence=Evidence.REFUSED)

@@ -74,17 +74,6 @@ class Job:
             self.task.cancel()
 
 
-@dataclasses.dataclass
-class Stats:
-    """Bytes this peer moved, for throughput reports: over the transport
-    (sent, received), and read from other ranks' shared segments (local)."""
-
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    bytes_local: int = 0
-    collectives: int = 0
-
-
 class JobTable:
     """Sequence numbers and the jobs holding them. Thread-safe for
     :meth:`add` (callers' threads); everything else runs on the loop."""

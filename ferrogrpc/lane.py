@@ -8,68 +8,30 @@ into place. Both sides start with a descriptor message, which the receiver
 compares with its own view of the collective: any difference is a
 ProtocolError naming both ranks and both values.
 
-A lane gets what it needs in a :class:`LaneContext`, never the peer: it can
+A lane gets what it needs in a :class:`~ferrogrpc.context.RankContext`, never the peer: it can
 run on a :class:`~ferrogrpc.transport.MemoryTransport` with nothing else.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import dataclasses
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from . import integrity, wire
+from .context import RankContext
 from .counter import Counter
 from .descriptor import describe_mismatch
-from .errors import Evidence, FerroGrpcError, Identity, PeerError, ProtocolError
-from .failure import FailurePolicy
-from .intake import Mailboxes
-from .integrity import Checksum
-from .jobs import Job, Stats
+from .errors import Evidence, FerroGrpcError, PeerError, ProtocolError
+from .jobs import Job
 from .ops import ReduceOp
-from .options import Timeouts
+from .reducers import REDUCERS, Reducer
 from .schedule import COPY, REDUCE, LanePlan
-from .transport import InStream, OutStream, Transport
+from .transport import InStream, OutStream
 from .v1 import collective_pb2 as pb
 from .watchdog import Watchdog
-
-
-@dataclasses.dataclass
-class LaneContext:
-    """Everything a lane uses: who this rank is (and every rank's address),
-    its group and session nonce, the checksum, the timeouts, the transport,
-    the mailboxes incoming streams wait in, the failure policy, and the
-    byte counters. Mutable only between collectives (a benchmark switches
-    the checksum on every rank at once)."""
-
-    identity: Identity
-    transport: Transport
-    mailboxes: Mailboxes
-    failure: FailurePolicy
-    timeouts: Timeouts
-    checksum: Checksum | None
-    group: int = 0
-    nonce: str = ""
-    stats: Stats = dataclasses.field(default_factory=Stats)
-
-
-Reducer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
-
-# Reductions applied to a received chunk: out = a (op) b.
-REDUCERS: dict[ReduceOp, Reducer] = {
-    ReduceOp.SUM: lambda a, b, out: torch.add(a, b, out=out),
-    ReduceOp.MEAN: lambda a, b, out: torch.add(a, b, out=out),
-    ReduceOp.MAX: lambda a, b, out: torch.maximum(a, b, out=out),
-    ReduceOp.MIN: lambda a, b, out: torch.minimum(a, b, out=out),
-    ReduceOp.PRODUCT: lambda a, b, out: torch.mul(a, b, out=out),
-    ReduceOp.BAND: lambda a, b, out: torch.bitwise_and(a, b, out=out),
-    ReduceOp.BOR: lambda a, b, out: torch.bitwise_or(a, b, out=out),
-    ReduceOp.BXOR: lambda a, b, out: torch.bitwise_xor(a, b, out=out),
-}
+from .wire import bytes_view
 
 # Forwarded messages a lane may hold ready for its sender (see LaneRunner):
 # at most this many, and at most this many bytes (but one message at least).
@@ -85,7 +47,7 @@ class LaneRunner:
 
     def __init__(
         self,
-        ctx: LaneContext,
+        ctx: RankContext,
         job: Job,
         lane: int,
         plan: LanePlan,
@@ -467,24 +429,3 @@ class LaneRunner:
                 f"({len(self.plan.recvs)})",
                 self.left,
             )
-
-
-def _silence_readonly_warning() -> None:
-    # Received payloads are read-only bytes; torch warns (once per process)
-    # that a tensor over them could be written. We only ever read them, so
-    # spend the one warning here, silenced.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.frombuffer(b"\0\0\0\0", dtype=torch.uint8)
-
-
-_silence_readonly_warning()
-
-
-def bytes_view(data: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous 1-D CPU tensor (valid while the
-    tensor lives; it is consumed at once by the encoder's single copy)."""
-    nbytes = data.numel() * data.element_size()
-    if nbytes == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * nbytes).from_address(data.data_ptr())).cast("B")

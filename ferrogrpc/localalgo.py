@@ -27,12 +27,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from . import schedule
+from .context import RankContext, Stats
 from .descriptor import describe_mismatch
 from .errors import FerroGrpcError, Identity, ProtocolError
-from .jobs import Job, JobTable, Stats
-from .lane import REDUCERS, LaneContext, Reducer
+from .jobs import Job, JobTable
 from .local import BEGIN, DONE, REDUCED, SMALL, WRITTEN, LocalPlane, split_small
 from .ops import ReduceOp
+from .reducers import REDUCERS, Reducer
 from .staging import Stage
 from .v1 import collective_pb2 as pb
 from .watchdog import Watchdog
@@ -332,7 +333,7 @@ class LocalRunner:
     watched like a lane; on failure, tells the host's other ranks why."""
 
     def __init__(
-        self, ctx: LaneContext, jobs: JobTable, plane: LocalPlane, local: Sequence[int], job: Job
+        self, ctx: RankContext, jobs: JobTable, plane: LocalPlane, local: Sequence[int], job: Job
     ) -> None:
         self.ctx = ctx
         self.jobs = jobs

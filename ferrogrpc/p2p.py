@@ -17,20 +17,22 @@ import threading
 
 import torch
 
+from .context import RankContext
 from .descriptor import describe_mismatch
 from .errors import ProtocolError
-from .intake import P2P_KEY
-from .lane import LaneContext, bytes_view
+from .links import Links
+from .mailboxes import P2P_KEY
 from .ops import DTYPE_TO_WIRE
-from .small import Links, check_part, send_parts
+from .small import check_part, send_parts
 from .v1 import collective_pb2 as pb
 from .watchdog import Watchdog
+from .wire import bytes_view
 
 
 class PointToPoint:
     """This rank's point-to-point counters and operations."""
 
-    def __init__(self, ctx: LaneContext, links: Links, part_bytes: int) -> None:
+    def __init__(self, ctx: RankContext, links: Links, part_bytes: int) -> None:
         self.ctx = ctx
         self.links = links
         self.part_bytes = part_bytes

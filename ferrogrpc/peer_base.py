@@ -13,12 +13,12 @@ from typing import Any, Self
 
 import torch
 
+from .context import RankContext
 from .descriptor import make_descriptor
 from .direct import DirectCall
 from .engine import Engine
 from .errors import ConfigError, PeerError
 from .jobs import Job, JobTable
-from .lane import LaneContext
 from .local import LocalPlane
 from .ops import ReduceOp
 from .options import ChunkPolicy
@@ -40,7 +40,7 @@ class PeerBase:
 
     def __init__(
         self,
-        ctx: LaneContext,
+        ctx: RankContext,
         jobs: JobTable,
         placement: Placement,
         chunk_policy: ChunkPolicy,

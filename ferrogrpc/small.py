@@ -23,15 +23,17 @@ from collections.abc import Sequence
 import torch
 
 from . import integrity, schedule, wire
+from .context import RankContext
 from .descriptor import describe_mismatch
 from .errors import FerroGrpcError, Identity, ProtocolError
 from .jobs import Job
-from .lane import REDUCERS, LaneContext, bytes_view
+from .links import Links
 from .local import SMALL, LocalPlane, split_small
 from .ops import ReduceOp
-from .transport import OutStream
+from .reducers import REDUCERS
 from .v1 import collective_pb2 as pb
 from .watchdog import Watchdog
+from .wire import bytes_view
 
 # A collective of at most this many bytes, on at most this many ranks, runs
 # in one exchange.
@@ -57,58 +59,12 @@ def is_small(desc: pb.Descriptor, itemsize: int, *, by_part: bool) -> bool:
     return desc.world_size <= SMALL_WORLD and numel * itemsize <= SMALL_BYTES
 
 
-class Links:
-    """This rank's long-lived message links to other ranks over the
-    transport: one stream each, opened on first use and kept, whose first
-    message proves the sender (see intake.py)."""
-
-    def __init__(self, ctx: LaneContext) -> None:
-        self.ctx = ctx
-        self._streams: dict[int, OutStream] = {}
-        self._locks: dict[int, asyncio.Lock] = {}
-
-    async def send(self, dst: int, message: bytes) -> None:
-        lock = self._locks.get(dst)
-        if lock is None:
-            lock = self._locks[dst] = asyncio.Lock()
-        async with lock:  # one write at a time per stream
-            stream = self._streams.get(dst)
-            if stream is None:
-                ctx = self.ctx
-                stream = await ctx.transport.open(dst, 0)
-                hello = pb.ChunkHeader(
-                    group=ctx.group, kind=pb.LINK, src_rank=ctx.identity.rank, nonce=ctx.nonce
-                )
-                hello.descriptor.kind = pb.LINK
-                await stream.write(wire.encode(hello))
-                self._streams[dst] = stream
-            try:
-                await stream.write(message)
-            except BaseException:
-                self._streams.pop(dst, None)
-                stream.cancel()
-                raise
-
-    async def close(self, grace: float = 2.0) -> None:
-        """End every link, letting messages already written arrive first
-        (a peer may still need this rank's last one), for up to ``grace``."""
-        streams, self._streams = list(self._streams.values()), {}
-        for stream in streams:
-            try:
-                async with asyncio.timeout(grace):
-                    await stream.close()
-            except Exception:
-                pass  # best effort: the peer may be gone or failing
-            finally:
-                stream.cancel()
-
-
 class SmallRunner:
     """Runs one small collective (see the module docstring)."""
 
     def __init__(
         self,
-        ctx: LaneContext,
+        ctx: RankContext,
         links: Links,
         plane: LocalPlane | None,
         local: Sequence[int],
@@ -364,7 +320,7 @@ def finish(
 
 
 async def send_parts(
-    ctx: LaneContext,
+    ctx: RankContext,
     links: Links,
     watch: Watchdog,
     dst: int,
@@ -393,7 +349,7 @@ async def send_parts(
 
 
 def check_part(
-    ctx: LaneContext,
+    ctx: RankContext,
     me: Identity,
     op: str,
     seq: int,

@@ -15,10 +15,10 @@ from typing import Any, Literal
 
 from .backend import Backend
 from .bootstrap import message_limit
+from .context import Stats
 from .errors import FerroGrpcError
 from .grpc_transport import GrpcTransport
 from .integrity import Checksum
-from .jobs import Stats
 from .ops import kind_name
 from .options import ChunkPolicy, Timeouts, TLSConfig
 from .peer import Peer

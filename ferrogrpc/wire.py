@@ -11,6 +11,7 @@ wrote in another valid field order still decodes, through the slow path.
 from __future__ import annotations
 
 import ctypes
+import warnings
 
 import torch
 from google.protobuf.message import DecodeError
@@ -179,3 +180,24 @@ class Scratch:
         out = self._buf[:n]
         out.copy_(values)
         return out
+
+
+def _silence_readonly_warning() -> None:
+    # Received payloads are read-only bytes; torch warns (once per process)
+    # that a tensor over them could be written. We only ever read them, so
+    # spend the one warning here, silenced.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.frombuffer(b"\0\0\0\0", dtype=torch.uint8)
+
+
+_silence_readonly_warning()
+
+
+def bytes_view(data: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous 1-D CPU tensor (valid while the
+    tensor lives; it is consumed at once by the encoder's single copy)."""
+    nbytes = data.numel() * data.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(data.data_ptr())).cast("B")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ferrogrpc import failure as failure_module
+from ferrogrpc.context import RankContext
 from ferrogrpc.descriptor import build_plans, make_descriptor
 from ferrogrpc.errors import (
     Evidence,
@@ -21,9 +22,10 @@ from ferrogrpc.errors import (
     ProtocolError,
 )
 from ferrogrpc.failure import FailurePolicy
-from ferrogrpc.intake import Intake, Mailboxes, Session
+from ferrogrpc.intake import Intake, Session
 from ferrogrpc.jobs import JobTable
-from ferrogrpc.lane import LaneContext, LaneRunner
+from ferrogrpc.lane import LaneRunner
+from ferrogrpc.mailboxes import Mailboxes
 from ferrogrpc.ops import ReduceOp
 from ferrogrpc.options import Timeouts
 from ferrogrpc.transport import MemoryTransport
@@ -197,7 +199,7 @@ async def test_a_lane_runs_on_the_memory_transport_without_a_peer() -> None:
         intakes[rank].open(Session(rank, world, [], jobs, policy, linger=10))
         transports[rank].connect(addresses)
         contexts.append(
-            (LaneContext(me, transports[rank], mailboxes[rank], policy, timeouts, None), jobs)
+            (RankContext(me, transports[rank], mailboxes[rank], policy, timeouts, None), jobs)
         )
     inputs = [torch.randn(1001, dtype=torch.float64) for _ in range(world)]
     tensors = [t.clone() for t in inputs]

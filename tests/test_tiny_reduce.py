@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from ferrogrpc.lane import bytes_view
 from ferrogrpc.ops import ReduceOp
 from ferrogrpc.small import TINY_ELEMS, _reduce_tiny
+from ferrogrpc.wire import bytes_view
 
 pytestmark = pytest.mark.timeout(60)
 
