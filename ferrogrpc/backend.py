@@ -8,11 +8,11 @@ import concurrent.futures
 import contextlib
 import threading
 from collections.abc import Coroutine, Sequence
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, TypeVar, cast, overload
 
 import torch
 
-from .direct import DirectCall
+from .call import Call
 from .errors import ConfigError, FerroGrpcError
 from .ops import ReduceOp
 from .peer import Peer
@@ -55,9 +55,13 @@ class Backend:
         thread: threading.Thread,
     ) -> None:
         self._peer = peer
+        # The peer's lifecycle (see [Note: peer lifecycle]): closing refuses
+        # every call from here on, from any thread.
+        self._life = peer._life
         self._loop = loop
         self._thread = thread
-        self._closed = False
+        # Whether close() has stopped (or is stopping) the loop thread.
+        self._thread_stopped = False
         self._close_lock = threading.Lock()
 
     @property
@@ -96,15 +100,15 @@ class Backend:
                 f"{name} was called from the backend's own event-loop thread; use the Peer's "
                 "coroutines there"
             )
-        if not async_op and isinstance(coro, DirectCall) and not self._closed:
+        if not async_op and isinstance(coro, Call) and not self._life.closing:
             # A small collective on one host, in this thread (direct.py).
-            done, value = coro.run_now()
+            done, value = coro.run_here()
             if done:
-                return value  # type: ignore[return-value]
+                return cast(T, value)
         with self._close_lock:
             # Under the lock, so that close() cannot stop the loop between the
             # check and the hand-off (the work would never run).
-            if self._closed:
+            if self._life.closing:
                 coro.close()
                 raise ConfigError(
                     "this backend is closed", rank=self.rank, world_size=self.world_size, op=name
@@ -114,7 +118,7 @@ class Backend:
         return work if async_op else work.wait()
 
     def _check(self) -> None:
-        if self._closed:
+        if self._life.closing:
             raise ConfigError(
                 "this backend is closed", rank=self._peer.rank, world_size=self.world_size
             )
@@ -393,13 +397,15 @@ class Backend:
     def close(self) -> None:
         """Close the peer, stop the loop thread. Idempotent; safe after a failure."""
         with self._close_lock:
-            if self._closed:
+            began = self._life.begin_close()  # every call refused from here on
+            if self._thread_stopped:
                 return
-            self._closed = True
+            self._thread_stopped = True
         if self._loop.is_running():
-            future = asyncio.run_coroutine_threadsafe(self._peer.close(), self._loop)
-            with contextlib.suppress(concurrent.futures.TimeoutError, FerroGrpcError):
-                future.result(timeout=10)
+            if began:
+                future = asyncio.run_coroutine_threadsafe(self._peer._shutdown(), self._loop)
+                with contextlib.suppress(concurrent.futures.TimeoutError, FerroGrpcError):
+                    future.result(timeout=10)
             # What the peer's close left on the loop (gRPC's handler tasks
             # for RPCs the server cancelled) is cancelled and run to its end
             # here: a task destroyed while pending keeps gRPC call objects,
@@ -419,5 +425,5 @@ class Backend:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
+        state = self._life.state.value
         return f"<ferrogrpc.Backend rank {self.rank}/{self.world_size} {self.address} {state}>"

@@ -20,6 +20,7 @@ from .failure import FailurePolicy
 from .grpc_transport import HEADER_ROOM, GrpcTransport
 from .intake import Intake, Session, credential
 from .jobs import JobTable
+from .lifecycle import Lifecycle
 from .local import LocalPlane, host_key
 from .mailboxes import Mailboxes
 from .options import ChunkPolicy
@@ -46,6 +47,8 @@ class Parts:
 
     ctx: RankContext
     jobs: JobTable
+    # The peer's lifecycle: JOINING until open() (see [Note: peer lifecycle]).
+    life: Lifecycle
     rendezvous: Rendezvous
     address: str
     topology: Topology
@@ -57,8 +60,10 @@ class Parts:
     credentials: list[str]
 
     def open(self) -> None:
-        """Let incoming streams through: the rank knows who everyone is."""
+        """JOINING -> OPEN: let incoming streams through, now that the rank
+        knows who everyone is."""
         me = self.ctx.identity
+        self.life.open(me)
         self.intake.open(
             Session(
                 me.rank,
@@ -73,10 +78,14 @@ class Parts:
         self.ctx.transport.connect(self.result.addresses)
 
     async def close(self) -> None:
+        """Release the parts (CLOSING -> CLOSED; a start that failed closes
+        them from JOINING)."""
+        self.life.begin_close()
         if self.plane is not None:
             await self.plane.close()
         await self.ctx.transport.close()
         await self.rendezvous.close()
+        self.life.end_close()
 
 
 async def join(
@@ -111,6 +120,7 @@ async def join(
             agent_store=s.agent_store,
             attempt=s.restart_count,
         )
+    life = Lifecycle()
     mailboxes = Mailboxes()
     intake = Intake(mailboxes)
     nonce = secrets.token_hex(16)
@@ -132,6 +142,7 @@ async def join(
             me,
             transport,
             nonce=mine,
+            life=life,
             on_break=jobs.cancel_all,
             name_of=jobs.name_of,
             refusal_of=jobs.refused,
@@ -162,6 +173,7 @@ async def join(
     return Parts(
         ctx,
         jobs,
+        life,
         rendezvous,
         address,
         topology,

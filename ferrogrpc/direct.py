@@ -78,42 +78,6 @@ class DeadlinePassedError(Exception):
     """A direct job ran past the collective deadline (the loop declares it)."""
 
 
-class DirectCall(Coroutine[Any, Any, T]):
-    """The coroutine of a direct collective, which a synchronous caller may
-    instead run in its own thread with :meth:`run_now`."""
-
-    def __init__(
-        self, coro: Coroutine[Any, Any, T], now: Callable[[], tuple[bool, T | None]]
-    ) -> None:
-        self._coro = coro
-        self._now = now
-
-    def send(self, value: Any) -> Any:
-        return self._coro.send(value)
-
-    def throw(self, *args: Any) -> Any:
-        return self._coro.throw(*args)
-
-    def close(self) -> None:
-        self._coro.close()
-
-    def __await__(self) -> Any:
-        return self._coro.__await__()
-
-    def run_now(self) -> tuple[bool, T | None]:
-        """Run the collective in this thread if it is its turn: (True, its
-        result), or (False, None) to run it as a coroutine instead. Raises
-        what the collective raises."""
-        try:
-            done, value = self._now()
-        except BaseException:
-            self._coro.close()
-            raise
-        if done:
-            self._coro.close()
-        return done, value
-
-
 class Direct:
     """This rank's end of the direct sockets (see the module docstring)."""
 
@@ -341,8 +305,9 @@ class Direct:
         loop, refused by some rank, the plane failed, or a pending peer ran
         the collective through the plane instead."""
         self.check_open()
-        if job.stopped is not None:
-            raise job.stopped
+        if job.stopping:
+            assert job.error is not None
+            raise job.error
         failure = self.ctx.failure
         refusal = failure.refusal(job.name, job.seq)
         if refusal is not None:

@@ -1,5 +1,17 @@
-"""The engine: runs one collective's lanes under its deadline, and hands a
-failure to the failure policy to decide what it raises."""
+"""The engine: the one path every collective takes on a rank.
+
+[Note: one path per collective] A collective is numbered when it is called
+(:meth:`Engine.number`, on the caller's thread), and then run by one entry
+wherever it runs: awaited on the loop (:meth:`Engine.run`) or, a small
+collective on one host whose turn it is, in the caller's own thread
+(:meth:`Engine.run_here`). Both apply the same rules, each written once:
+:meth:`Engine._admit` (the open check and the refusal) before, and
+:meth:`Engine._retire` (finishing, forgetting a refused collective's
+arrivals, the count) after. Between them :meth:`Engine._runner` picks how
+the job runs (one exchange, the direct sockets, shared memory, two levels,
+or rings), and the deadline and the failure policy decide what a failure
+raises.
+"""
 
 from __future__ import annotations
 
@@ -7,40 +19,54 @@ import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
+import torch
+
 from .context import RankContext
-from .descriptor import build_plans
+from .descriptor import build_plans, make_descriptor
 from .direct import DeadlinePassedError, Direct, is_direct
 from .errors import FerroGrpcError, PeerError
 from .hierarchy import HierRunner
 from .jobs import Job, JobTable
 from .lane import LaneRunner
+from .lifecycle import Lifecycle
 from .links import Links
 from .local import LocalPlane
 from .localalgo import LocalRunner
+from .ops import ReduceOp
+from .options import ChunkPolicy
 from .small import SmallRunner, is_small
 from .topology import Topology
 from .v1 import collective_pb2 as pb
 
+# Descriptors kept for reuse (see Engine.number).
+DESCRIPTORS_KEPT = 256
+
 
 class Engine:
-    """Executes jobs on one rank. ``ctx`` is what every lane gets; ``jobs``
-    the table the jobs were numbered in; ``check_open()`` raises when the
-    rank can run no more collectives (closed, or broken)."""
+    """Numbers and runs the jobs of one rank (see [Note: one path per
+    collective]). ``ctx`` is what every algorithm gets; ``jobs`` the table
+    the jobs are numbered in; ``life`` the peer's lifecycle, which says
+    whether the rank can run collectives at all."""
 
     def __init__(
         self,
         ctx: RankContext,
         jobs: JobTable,
-        check_open: Callable[[], None],
+        life: Lifecycle,
+        chunk_policy: ChunkPolicy,
         topology: Topology | None = None,
         plane: LocalPlane | None = None,
     ) -> None:
         self.ctx = ctx
         self.jobs = jobs
-        self._check_open = check_open
+        self.life = life
+        self._policy = chunk_policy
+        self._chunking = chunk_policy.resolve(ctx.identity.world_size)
         self.topology = topology or Topology.flat(ctx.identity.world_size)
         self.plane = plane
         self.links = Links(ctx)
+        self._loop = asyncio.get_running_loop()
+        self._descriptors: dict[tuple[Any, ...], pb.Descriptor] = {}
         # All-gathers and reduce-scatters are small by one rank's part, except
         # where several hosts hold several ranks each (small.is_small).
         topo = self.topology
@@ -48,14 +74,69 @@ class Engine:
         # Small collectives run on direct sockets when every rank is on this host.
         self.direct: Direct | None = None
         if plane is not None and self.topology.single_host and ctx.identity.world_size > 1:
-            self.direct = Direct(ctx, plane, check_open, asyncio.get_running_loop())
+            self.direct = Direct(ctx, plane, life.check, self._loop)
             jobs.wake = plane.wake
 
-    def uses_direct(self, descriptor: pb.Descriptor, itemsize: int) -> bool:
-        """Whether a collective runs on the direct sockets (direct.py)."""
-        return self.direct is not None and is_direct(descriptor, itemsize)
+    @property
+    def chunk_bytes(self) -> int:
+        """The chunk size this rank's gRPC messages are cut to."""
+        return self._chunking[0]
 
-    def uses_plane(self, descriptor: pb.Descriptor, itemsize: int) -> bool:
+    @property
+    def data_path(self) -> str:
+        """``"shared memory"``, ``"two-level"`` or ``"grpc"``."""
+        topo = self.topology
+        if self.plane is not None and topo.single_host:
+            return "shared memory"
+        if topo.shares_memory and not topo.single_host:
+            return "two-level"
+        return "grpc"
+
+    def check_open(self) -> None:
+        """Raise if this rank can run no more collectives (closed, or broken)."""
+        self.life.check()
+
+    # ------------------------------------------------------------ numbering
+
+    def number(
+        self,
+        kind: int,
+        name: str,
+        buffer: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        root: int = 0,
+        out: torch.Tensor | None = None,
+        out_offset: int = 0,
+        wire: torch.dtype | None = None,
+    ) -> Job:
+        """A new job over ``buffer`` with the next sequence number, taken now
+        (on the caller's thread: call order is the order on every rank)."""
+        # The same call on the same shapes has the same descriptor (never
+        # changed once made): built once, it costs a small collective less.
+        key = (kind, buffer.dtype, buffer.numel(), op, root, wire)
+        descriptor = self._descriptors.get(key)
+        if descriptor is None:
+            if len(self._descriptors) >= DESCRIPTORS_KEPT:
+                self._descriptors.clear()
+            descriptor = self._descriptors[key] = make_descriptor(
+                kind,
+                buffer,
+                op,
+                root,
+                self.ctx.identity.world_size,
+                self._chunking,
+                self._policy.lane_min_bytes,
+                self.ctx.checksum,
+                wire,
+            )
+        itemsize = buffer.element_size()
+        ordered = self._uses_plane(descriptor, itemsize)
+        direct = self.direct is not None and is_direct(descriptor, itemsize)
+        return self.jobs.add(
+            name, descriptor, buffer, op, out, out_offset, ordered, wire, direct=direct
+        )
+
+    def _uses_plane(self, descriptor: pb.Descriptor, itemsize: int) -> bool:
         """Whether a collective would go through this rank's shared segments,
         which collectives take in turns (JobTable.turn)."""
         if descriptor.kind == pb.ALL_TO_ALL:
@@ -69,13 +150,80 @@ class Engine:
         if self.direct is not None:
             self.direct.close()
 
+    # -------------------------------------------------------------- the rules
+
+    def _admit(self, job: Job) -> None:
+        """Before a job runs: it raises if the rank closed or broke since it
+        took its sequence number (a chained DDP bucket behind a failed one),
+        or if some rank refused it before it started here."""
+        self.check_open()
+        refusal = self.ctx.failure.refusal(job.name, job.seq)
+        if refusal is not None:
+            raise refusal
+
+    def _retire(self, job: Job) -> None:
+        """After a job ran, failed or was refused, wherever it ran: it leaves
+        the table; what still arrives for a refused one is dropped (on the
+        loop); it is counted."""
+        self.jobs.finish(job)
+        refusal = self.jobs.refused(job.seq)
+        if refusal is not None:
+            if _running_loop() is self._loop:
+                self._forget(job.seq, refusal)
+            else:
+                self._loop.call_soon_threadsafe(self._forget, job.seq, refusal)
+        self.ctx.stats.collectives += 1
+
+    # ---------------------------------------------------------- where it runs
+
+    async def run(self, job: Job) -> None:
+        """Run ``job`` to completion on the loop; raise what the failure policy
+        decides if it fails. A group of one runs no algorithm (a
+        reduce-scatter or an all-to-all there is a copy)."""
+        if self.ctx.identity.world_size == 1:
+            self.check_open()
+            if job.out is not None:
+                job.out.copy_(job.buffer)
+            return
+        try:
+            self._admit(job)
+            await self._supervise(job, *self._runner(job))
+        finally:
+            if job.stage is not None and not job.stage.finished:
+                await job.stage.abandon()
+            self._retire(job)
+
+    def run_here(self, job: Job) -> bool:
+        """Run ``job`` in this (the caller's) thread if it is a direct job
+        without staging and its turn has come (JobTable.direct_head); False
+        (nothing done) otherwise. Raises what the loop's path would: the
+        failure policy decides, on the loop."""
+        direct = self.direct
+        if direct is None or not job.direct or job.stage is not None:
+            return False
+        if not self.jobs.direct_head(job.seq):
+            return False
+        try:
+            self._admit(job)
+            job.begin(None)
+            try:
+                direct.run(job)
+            except DeadlinePassedError:
+                raise direct.on_loop(self._deadline(job)) from None
+            except FerroGrpcError as exc:
+                raise direct.on_loop(self._settle_direct(exc, job)) from exc.__cause__
+        finally:
+            self._retire(job)
+        return True
+
     def _runner(self, job: Job) -> tuple[Callable[[], Coroutine[Any, Any, None]], bool]:
-        """How ``job`` runs: in one exchange if it is small; among one host's
-        ranks through shared memory; in two levels when several hosts have
-        several ranks; else as rings over the transport. Every rank picks
-        alike: the topology is the same everywhere. Also whether it runs in
-        the caller's task (a small exchange without staging) rather than a
-        task of its own."""
+        """How ``job`` runs on the loop: on the direct sockets in the direct
+        thread; in one exchange if it is small; among one host's ranks
+        through shared memory; in two levels when several hosts have several
+        ranks; else as rings over the transport. Every rank picks alike: the
+        topology is the same everywhere. Also whether it runs in the
+        caller's task (a small exchange without staging) rather than a task
+        of its own."""
         me, topo = self.ctx.identity, self.topology
         if job.direct:
             return (lambda: self._run_direct(job)), False
@@ -90,26 +238,6 @@ class Engine:
         runners = [LaneRunner(self.ctx, job, lane, plan) for lane, plan in enumerate(plans)]
         return (lambda: _run_all(runners)), False
 
-    async def execute(self, job: Job) -> None:
-        """Run ``job`` to completion; raise what the failure policy decides
-        if it fails. The job leaves the table either way. It first raises if
-        the rank closed or broke since the job took its sequence number (a
-        chained DDP bucket behind a failed one)."""
-        try:
-            self._check_open()
-        except FerroGrpcError:
-            await self._release(job)
-            raise
-        refusal = self.ctx.failure.refusal(job.name, job.seq)
-        if refusal is not None:  # some rank refused it before it started here
-            await self._release(job)
-            raise refusal
-        try:
-            await self._supervise(job, *self._runner(job))
-        finally:
-            await self._release(job)
-            self.ctx.stats.collectives += 1
-
     async def _run_direct(self, job: Job) -> None:
         """A direct job from the loop: in its turn, in the direct thread."""
         direct = self.direct
@@ -118,14 +246,17 @@ class Engine:
         if stage is not None:
             await stage.ready(0, job.buffer.numel())
         await self.jobs.direct_turn(job.seq)
-        running = asyncio.get_running_loop().run_in_executor(direct.pool, direct.run, job)
+        running = self._loop.run_in_executor(direct.pool, direct.run, job)
         try:
             done = await asyncio.shield(running)
         except asyncio.CancelledError:
             # Stopped from the loop (a report, close(), the deadline): the
             # thread must stop too before the next direct job may run.
-            job.stopped = job.error or self.ctx.identity.error(
-                PeerError, "the collective was stopped", op=job.name, seq=job.seq
+            job.stop(
+                job.error
+                or self.ctx.identity.error(
+                    PeerError, "the collective was stopped", op=job.name, seq=job.seq
+                )
             )
             self.plane.wake()
             await asyncio.wait([running])
@@ -137,30 +268,6 @@ class Engine:
             raise
         if stage is not None:
             stage.final(*done)
-
-    def run_now(self, job: Job) -> None:
-        """Run direct job ``job`` in this (the caller's) thread; it must be
-        its turn (JobTable.direct_head). Raises what the loop's path would:
-        the failure policy decides, on the loop."""
-        direct = self.direct
-        assert direct is not None and job.stage is None
-        try:
-            self._check_open()
-            refusal = self.ctx.failure.refusal(job.name, job.seq)
-            if refusal is not None:
-                raise refusal
-            try:
-                direct.run(job)
-            except DeadlinePassedError:
-                raise direct.on_loop(self._deadline(job)) from None
-            except FerroGrpcError as exc:
-                raise direct.on_loop(self._settle_direct(exc, job)) from exc.__cause__
-        finally:
-            self.jobs.finish(job)
-            refused = self.jobs.refused(job.seq)
-            if refused is not None:
-                direct.loop.call_soon_threadsafe(self._forget, job.seq, refused)
-            self.ctx.stats.collectives += 1
 
     def _direct_deadline(self, job: Job) -> FerroGrpcError:
         """Direct job ``job`` missed its deadline: break, tell the host's
@@ -190,7 +297,7 @@ class Engine:
     async def point_to_point(self, job: Job, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run a send or receive (``job`` names it; it takes no sequence
         number) under the same deadline and failure policy as a collective."""
-        self._check_open()
+        self.check_open()
         self.jobs.track(job)
         try:
             await self._supervise(job, run)
@@ -207,10 +314,12 @@ class Engine:
         failure = ctx.failure
         work: Awaitable[None]
         if here:
-            job.task = asyncio.current_task()
+            job.begin(asyncio.current_task())
             work = run()
         else:
-            job.task = work = asyncio.ensure_future(run())
+            task = asyncio.ensure_future(run())
+            job.begin(task)
+            work = task
         deadline_s = ctx.timeouts.collective
         try:
             async with asyncio.timeout(deadline_s) as deadline:
@@ -239,13 +348,7 @@ class Engine:
             )
             raise await failure.settle(err, job.name, job.seq) from group
 
-    async def _release(self, job: Job) -> None:
-        if job.stage is not None and not job.stage.finished:
-            await job.stage.abandon()
-        self.jobs.finish(job)
-        refusal = self.jobs.refused(job.seq)
-        if refusal is not None:
-            self._forget(job.seq, refusal)
+    # ------------------------------------------------------------- refusals
 
     def refused(self, errors: Sequence[FerroGrpcError]) -> None:
         """This rank refused these collectives (its own argument checks
@@ -260,6 +363,13 @@ class Engine:
         self.ctx.mailboxes.drop_seq(self.ctx.group, seq, err)
         if self.plane is not None:
             self.plane.forget(seq)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 async def _run_all(runners: list[LaneRunner]) -> None:

@@ -50,6 +50,7 @@ from .errors import (
     PeerError,
     ProtocolError,
 )
+from .lifecycle import Lifecycle
 from .v1 import collective_pb2 as pb
 
 logger = logging.getLogger("ferrogrpc")
@@ -90,8 +91,10 @@ def _ignore_refusal(seq: int, err: FerroGrpcError) -> bool:
 class FailurePolicy:
     """The broken state of one rank and every decision about blame.
 
-    ``on_break(err)`` is called once, when the rank breaks, to stop the
-    collectives still running (they then raise ``err``); ``name_of(seq)``
+    The broken state itself is the rank's :class:`Lifecycle` (``life``; a
+    fresh one, open, when none is given). ``on_break(err)`` is called once,
+    when the rank breaks, to stop the collectives still running (they then
+    raise ``err``); ``name_of(seq)``
     names a collective by its sequence number, for reports that only carry
     the number. ``refusal_of(seq)`` says whether collective ``seq`` was
     refused by some rank, and ``on_refusal(seq, err)`` records another
@@ -105,6 +108,7 @@ class FailurePolicy:
         *,
         group: int = 0,
         nonce: str = "",
+        life: Lifecycle | None = None,
         on_break: Callable[[FerroGrpcError], None] | None = None,
         name_of: Callable[[int], str | None] = _no_name,
         refusal_of: Callable[[int], FerroGrpcError | None] = _no_refusal,
@@ -120,7 +124,10 @@ class FailurePolicy:
         self._on_refusal = on_refusal
         # Who waits for a refusal of a collective, by seq (see await_report).
         self._refusal_waiters: dict[int, asyncio.Future[None]] = {}
-        self._broken: FerroGrpcError | None = None
+        if life is None:
+            life = Lifecycle()
+            life.open(identity)
+        self._life = life
         self._broken_event = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
         self._log = logging.LoggerAdapter(logger, {"rank": identity.rank})
@@ -128,17 +135,7 @@ class FailurePolicy:
     @property
     def broken(self) -> FerroGrpcError | None:
         """The failure that broke this rank, or None."""
-        return self._broken
-
-    def check(self) -> None:
-        """Raise, chained to the original cause, if this rank is broken."""
-        broken = self._broken
-        if broken is not None:
-            raise self.identity.error(
-                type(broken),
-                f"the group is broken by an earlier failure: {broken}",
-                peer=broken.peer,
-            ) from broken
+        return self._life.cause
 
     # ------------------------------------------------------------ reports
 
@@ -258,9 +255,8 @@ class FailurePolicy:
         """Enter the broken state with ``err``: stop every running
         collective and, with ``broadcast``, tell every other rank. Only the
         first call counts."""
-        if self._broken is not None:
+        if not self._life.break_with(err):
             return
-        self._broken = err
         self._broken_event.set()
         if self._on_break is not None:
             self._on_break(err)
@@ -324,8 +320,8 @@ class FailurePolicy:
             return refusal  # cancelled because some rank refused the collective
         if sibling is not None and sibling is not exc:
             return self.cause(sibling, op, seq)
-        if self._broken is not None:
-            return self._broken
+        if self._life.cause is not None:
+            return self._life.cause
         return self.identity.error(
             PeerError, f"the collective was interrupted ({exc!r})", op=op, seq=seq
         )
@@ -339,7 +335,7 @@ class FailurePolicy:
         if refusal is None and exc.evidence is Evidence.REFUSED:
             refusal = self.identity.stamp(exc, op, seq)
             self._note_refusal(seq, refusal)
-        if refusal is None and exc.evidence is Evidence.SYMPTOM and self._broken is None:
+        if refusal is None and exc.evidence is Evidence.SYMPTOM and self._life.cause is None:
             await self.await_report(exc.peer, seq)
             refusal = self.refusal(op, seq)
         if refusal is not None:
@@ -350,7 +346,7 @@ class FailurePolicy:
             # Symptoms such as a refused stream still defer to a report.
             self.declare(err, broadcast=True)
             return err
-        broken = self._broken
+        broken = self._life.cause
         if broken is None:
             self.declare(err, broadcast=True)
             return err

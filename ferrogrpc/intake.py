@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 import hashlib
 import hmac
 from collections.abc import Sequence
@@ -63,24 +62,17 @@ class Session:
     senders: frozenset[int] = frozenset()
 
 
-class IntakeState(enum.Enum):
-    JOINING = "joining"  # serving, but the rendezvous has not finished
-    OPEN = "open"
-
-
 class Intake:
     """The rank's StreamHandler (see the module docstring)."""
 
     def __init__(self, mailboxes: Mailboxes, group: int = 0) -> None:
         self.mailboxes = mailboxes
         self.group = group
-        self.state = IntakeState.JOINING
         self._session: asyncio.Future[Session] = asyncio.get_running_loop().create_future()
 
     def open(self, session: Session) -> None:
         """The rendezvous is done: judge and deliver what arrives."""
         self._session.set_result(session)
-        self.state = IntakeState.OPEN
 
     def _verify_nonce(self, s: Session, rank: int, nonce: str, what: str, origin: str) -> None:
         if not s.nonces:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import enum
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -30,9 +31,35 @@ E = TypeVar("E", bound=FerroGrpcError)
 REFUSALS_KEPT = 1024
 
 
+class JobState(enum.Enum):
+    """[Note: job states]
+
+    ::
+
+        WAITING ──begin()──> RUNNING ──finish──> DONE
+           │                    │                  ^
+           │                    └──cancel()/stop()─┴─> STOPPING ──finish──┘
+           └──────────────finish (refused, closed, broken)───────────────> DONE
+
+    - ``WAITING``: numbered when it was called (on the caller's thread); it
+      has not started, and may be waiting for its turn.
+    - ``RUNNING``: its algorithm runs: in a loop task (``task``), or in a
+      thread (a direct job, on the direct sockets).
+    - ``STOPPING``: stopped from outside while running (another rank's
+      report, a refusal, ``close()``, its deadline): it raises ``error``.
+      Its task is cancelled; a thread running it sees the state and stops.
+    - ``DONE``: finished, failed or refused; it has left the job table.
+    """
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    DONE = "done"
+
+
 @dataclasses.dataclass(eq=False)
 class Job:
-    """One collective as this rank sees it."""
+    """One collective as this rank sees it (see [Note: job states])."""
 
     seq: int
     name: str
@@ -51,27 +78,45 @@ class Job:
     # For all_to_all: the elements this rank sends to each rank, and those it
     # receives from each.
     splits: tuple[list[int], list[int]] | None = None
-    # The task running its lanes, once it runs; and the error it was
-    # cancelled with from outside (another rank's report, close()).
-    task: asyncio.Task[Any] | None = None
-    error: FerroGrpcError | None = None
     # Whether it must take its turn (see JobTable.turn).
     ordered: bool = False
     # Whether it runs on the direct sockets (direct.py), in its turn among
-    # those (JobTable.direct_turn); and, set from the loop, why such a run
-    # in another thread must stop (its deadline passed).
+    # those (JobTable.direct_turn).
     direct: bool = False
-    stopped: FerroGrpcError | None = None
+    state: JobState = JobState.WAITING
+    # The loop task running it while it runs there (cancel() cancels it).
+    task: asyncio.Task[Any] | None = None
+    # Why it was stopped from outside (set with STOPPING).
+    error: FerroGrpcError | None = None
 
     @property
     def kind(self) -> int:
         return self.descriptor.kind
 
+    def begin(self, task: asyncio.Task[Any] | None) -> None:
+        """WAITING -> RUNNING, in ``task`` (None: in a thread)."""
+        self.task = task
+        if self.state is JobState.WAITING:
+            self.state = JobState.RUNNING
+
     def cancel(self, err: FerroGrpcError) -> None:
-        """Stop it running, to raise ``err``; nothing if it is not running."""
-        if self.error is None and self.task is not None and not self.task.done():
+        """RUNNING -> STOPPING: cancel its task, to raise ``err``; nothing if
+        it is not running in a task."""
+        if self.state is JobState.RUNNING and self.task is not None and not self.task.done():
             self.error = err
+            self.state = JobState.STOPPING
             self.task.cancel()
+
+    def stop(self, err: FerroGrpcError) -> None:
+        """RUNNING -> STOPPING without a task: the thread running it stops
+        at its next check, to raise ``err`` (the first reason given)."""
+        if self.state is not JobState.STOPPING:
+            self.error = err
+            self.state = JobState.STOPPING
+
+    @property
+    def stopping(self) -> bool:
+        return self.state is JobState.STOPPING
 
 
 class JobTable:
@@ -214,6 +259,7 @@ class JobTable:
         """``job`` is done. On the loop, or for a direct job in the thread
         that ran it."""
         self._jobs.pop(job.seq, None)
+        job.state = JobState.DONE
         if job.direct:
             self._direct.done(job.seq)
         if job.ordered:

@@ -1,40 +1,48 @@
 """The asyncio peer: one per rank. It joins the group, then runs collectives.
 
-:meth:`Peer.start` assembles a rank from its parts: the transport and the
-stream intake (intake.py), the rendezvous, the job table (jobs.py), the
-failure policy (failure.py) and the engine that runs each job's lanes
-(engine.py, lane.py). The collectives here check their arguments
-(validate.py), place their tensors on a host buffer (placement.py), take a
-sequence number, and return a coroutine that runs the job.
+:meth:`Peer.start` joins the group (bootstrap.py: the transport and the
+stream intake, the rendezvous, the job table, the failure policy, the
+same-host plane) and composes the peer from those parts and the few it
+adds: the engine that numbers and runs every collective (engine.py), the
+placement of tensors on host buffers (placement.py), point-to-point
+messages (p2p.py) and the argument checks' refusals (refusal.py). Each
+collective here checks its arguments (validate.py), places its tensors,
+takes a sequence number, and returns a :class:`~ferrogrpc.call.Call`.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, Self, TypeVar
 
 import torch
 
 from . import schedule, validate
-from .bootstrap import join
-from .direct import DirectCall
-from .errors import CollectiveTimeoutError, ConfigError, FerroGrpcError, Identity
+from .bootstrap import Parts, join
+from .call import Call
+from .engine import Engine
+from .errors import CollectiveTimeoutError, ConfigError, FerroGrpcError, Identity, PeerError
 from .integrity import Checksum
 from .jobs import Job
 from .ops import ReduceOp
 from .options import ChunkPolicy, Timeouts, TLSConfig
-from .peer_base import PeerBase
+from .p2p import PointToPoint
 from .placement import Placed, Placement
-from .refusal import group_count
+from .refusal import CallChecks, group_count
 from .rendezvous import Rendezvous
 from .settings import Settings
 from .staging import Stage
 from .transport import Transport
 from .v1 import collective_pb2 as pb
 
+T = TypeVar("T")
 
-class Peer(PeerBase):
+# How long close() waits for abort notices still being delivered.
+ABORT_DELIVERY_S = 2.0
+
+
+class Peer:
     """One rank of a ferrogrpc group, on an asyncio event loop.
 
     Create it with :meth:`Peer.start`, which binds the transport, exchanges
@@ -52,6 +60,70 @@ class Peer(PeerBase):
     told, and the peer is *broken*: every later collective raises at once with
     the original cause. ``close()`` still works.
     """
+
+    def __init__(self, parts: Parts, placement: Placement, chunk_policy: ChunkPolicy) -> None:
+        """Use :meth:`start`."""
+        self._parts = parts
+        self._ctx = parts.ctx
+        self._me = parts.ctx.identity
+        self._jobs = parts.jobs
+        self._life = parts.life
+        self._plane = parts.plane
+        self._engine = Engine(
+            parts.ctx, parts.jobs, parts.life, chunk_policy, parts.topology, parts.plane
+        )
+        self._placement = placement
+        self._p2p = PointToPoint(parts.ctx, self._engine.links, self._engine.chunk_bytes)
+        # Argument checks; a refused call still takes its seq (refusal.py).
+        self._checks = CallChecks(
+            parts.jobs, parts.ctx.failure, parts.life, self._engine.refused
+        ).run
+
+    @property
+    def rank(self) -> int:
+        return self._me.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._me.world_size
+
+    @property
+    def address(self) -> str:
+        """The address this rank advertises to the others."""
+        return self._parts.address
+
+    @property
+    def data_path(self) -> str:
+        """How this rank's tensor bytes travel: ``"shared memory"`` (every
+        rank on this host), ``"two-level"`` (shared memory inside hosts, gRPC
+        across), or ``"grpc"``."""
+        return self._engine.data_path
+
+    def _call(self, placed: Placed, result: Callable[[], T]) -> Call[T]:
+        return Call(self._engine, placed, result)
+
+    async def close(self) -> None:
+        """Stop serving and close every connection. Idempotent. Running
+        collectives fail with PeerError."""
+        if self._life.begin_close():
+            await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        """Release everything; the lifecycle is CLOSING (see [Note: peer
+        lifecycle]) and ends CLOSED."""
+        me = self._me
+        closed = "the peer was closed while this collective ran"
+        self._jobs.cancel_all(lambda j: me.error(PeerError, closed, op=j.name, seq=j.seq))
+        await self._ctx.failure.drain(ABORT_DELIVERY_S)
+        await self._engine.links.close()
+        self._engine.close()
+        await self._parts.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     @classmethod
     async def start(
@@ -106,14 +178,7 @@ class Peer(PeerBase):
         try:
             me = parts.ctx.identity
             peer = cls(
-                parts.ctx,
-                parts.jobs,
-                placement(me) if placement is not None else Placement(me),
-                s.chunk_policy,
-                parts.rendezvous,
-                parts.address,
-                parts.topology,
-                parts.plane,
+                parts, placement(me) if placement is not None else Placement(me), s.chunk_policy
             )
             parts.open()
             if me.world_size > 1:
@@ -139,7 +204,7 @@ class Peer(PeerBase):
         op: ReduceOp | str = ReduceOp.SUM,
         *,
         wire_dtype: torch.dtype | None = None,
-    ) -> Coroutine[Any, Any, torch.Tensor]:
+    ) -> Call[torch.Tensor]:
         """Reduce ``tensor`` across all ranks, in place; returns ``tensor``.
 
         Small tensors (up to 256 KiB) go in one exchange; ranks on one host
@@ -159,11 +224,12 @@ class Peer(PeerBase):
             validate.writable(self._me, tensor, "all_reduce")
             rop = validate.reduce_op(self._me, op, tensor, "all_reduce")
             wire = validate.wire_dtype(self._me, wire_dtype, tensor, "all_reduce")
-        self._check_open()
+        self._engine.check_open()
         placed = self._placement.in_place(
-            tensor, lambda flat: self._job(pb.ALL_REDUCE, "all_reduce", flat, rop, wire=wire)
+            tensor,
+            lambda flat: self._engine.number(pb.ALL_REDUCE, "all_reduce", flat, rop, wire=wire),
         )
-        return self._run(placed, tensor)
+        return self._call(placed, lambda: tensor)
 
     def all_reduce_coalesced(
         self,
@@ -206,7 +272,7 @@ class Peer(PeerBase):
 
         return run()
 
-    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> Coroutine[Any, Any, torch.Tensor]:
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> Call[torch.Tensor]:
         """Copy ``root``'s tensor into every rank's ``tensor``, in place.
 
         A pipelined chain in ring order from the root: each rank forwards a
@@ -217,46 +283,34 @@ class Peer(PeerBase):
             validate.tensor(self._me, tensor, "broadcast")
             validate.writable(self._me, tensor, "broadcast")
             validate.root(self._me, root, "broadcast")
-        self._check_open()
+        self._engine.check_open()
         placed = self._placement.in_place(
             tensor,
-            lambda flat: self._job(pb.BROADCAST, "broadcast", flat, root=root),
+            lambda flat: self._engine.number(pb.BROADCAST, "broadcast", flat, root=root),
             load=self.rank == root,
             store=self.rank != root,
         )
-        return self._run(placed, tensor)
+        return self._call(placed, lambda: tensor)
 
     def all_gather(
         self, tensor: torch.Tensor, *, wire_dtype: torch.dtype | None = None
-    ) -> Coroutine[Any, Any, list[torch.Tensor]]:
+    ) -> Call[list[torch.Tensor]]:
         """Gather every rank's ``tensor``; returns one tensor per rank, in rank
         order, each shaped like ``tensor``. Ring all-gather (one exchange
         when small; through shared memory on one host). Synchronization
         point. ``wire_dtype``: see :meth:`all_gather_into_tensor`."""
         with self._checks("all_gather"):
             validate.tensor(self._me, tensor, "all_gather")
-        self._check_open()
+        self._engine.check_open()
         out = torch.empty(
             (self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device
         )
         gathered = self.all_gather_into_tensor(out, tensor, wire_dtype=wire_dtype)
-
-        async def run() -> list[torch.Tensor]:
-            await gathered
-            return list(out.unbind(0))
-
-        if not isinstance(gathered, DirectCall):
-            return run()
-
-        def now() -> tuple[bool, list[torch.Tensor] | None]:
-            done, _ = gathered.run_now()
-            return done, list(out.unbind(0)) if done else None
-
-        return DirectCall(run(), now)
+        return gathered.returning(lambda: list(out.unbind(0)))
 
     def all_gather_into_tensor(
         self, out: torch.Tensor, tensor: torch.Tensor, *, wire_dtype: torch.dtype | None = None
-    ) -> Coroutine[Any, Any, torch.Tensor]:
+    ) -> Call[torch.Tensor]:
         """Gather every rank's ``tensor`` into ``out`` (rank-major);
         ``out.numel()`` must be ``world_size * tensor.numel()``. Returns
         ``out``. With ``wire_dtype``, blocks that cross gRPC travel in that
@@ -275,7 +329,7 @@ class Peer(PeerBase):
             validate.numel(
                 me, "out", out.numel(), f"world_size * tensor.numel() = {w} * {m}", w * m, name
             )
-        self._check_open()
+        self._engine.check_open()
         lo, hi = me.rank * m, (me.rank + 1) * m
 
         if self._placement.staged(out):
@@ -290,17 +344,17 @@ class Peer(PeerBase):
 
             placed = self._placement.in_place(
                 out,
-                lambda flat: self._job(pb.ALL_GATHER, "all_gather", flat, wire=wire),
+                lambda flat: self._engine.number(pb.ALL_GATHER, "all_gather", flat, wire=wire),
                 load=False,
                 prefill=prefill,
             )
-            return self._run(placed, out)
+            return self._call(placed, lambda: out)
 
         def make(flat: torch.Tensor) -> Job:
             flat[lo:hi].copy_(tensor.reshape(-1))
-            return self._job(pb.ALL_GATHER, "all_gather", flat, wire=wire)
+            return self._engine.number(pb.ALL_GATHER, "all_gather", flat, wire=wire)
 
-        return self._run(self._placement.in_place(out, make), out)
+        return self._call(self._placement.in_place(out, make), lambda: out)
 
     def reduce_scatter(
         self,
@@ -308,7 +362,7 @@ class Peer(PeerBase):
         op: ReduceOp | str = ReduceOp.SUM,
         *,
         wire_dtype: torch.dtype | None = None,
-    ) -> Coroutine[Any, Any, torch.Tensor]:
+    ) -> Call[torch.Tensor]:
         """Reduce ``tensor`` across ranks and return this rank's part,
         ``torch.tensor_split(tensor.flatten(), world_size)[rank]`` in shape.
         ``tensor`` is not modified. Ring reduce-scatter (one exchange when
@@ -329,7 +383,7 @@ class Peer(PeerBase):
         op: ReduceOp | str = ReduceOp.SUM,
         *,
         wire_dtype: torch.dtype | None = None,
-    ) -> Coroutine[Any, Any, torch.Tensor]:
+    ) -> Call[torch.Tensor]:
         """Reduce ``tensor`` across ranks into ``out``, this rank's equal part;
         ``tensor.numel()`` must be ``world_size * out.numel()``. Returns
         ``out``. ``tensor`` is not modified. Synchronization point."""
@@ -356,15 +410,17 @@ class Peer(PeerBase):
         offset: int,
         name: str,
         wire: torch.dtype | None,
-    ) -> Coroutine[Any, Any, torch.Tensor]:
-        self._check_open()
+    ) -> Call[torch.Tensor]:
+        self._engine.check_open()
 
         def make(source: torch.Tensor, flat_out: torch.Tensor) -> Job:
-            return self._job(
+            return self._engine.number(
                 pb.REDUCE_SCATTER, name, source, op, out=flat_out, out_offset=offset, wire=wire
             )
 
-        return self._run(self._placement.reduce_scatter(out, tensor, make, offset, name), out)
+        return self._call(
+            self._placement.reduce_scatter(out, tensor, make, offset, name), lambda: out
+        )
 
     def all_to_all_single(
         self,
@@ -372,7 +428,7 @@ class Peer(PeerBase):
         tensor: torch.Tensor,
         out_splits: Sequence[int] | None = None,
         in_splits: Sequence[int] | None = None,
-    ) -> Coroutine[Any, Any, torch.Tensor]:
+    ) -> Call[torch.Tensor]:
         """Send rows ``in_splits[r]`` of ``tensor`` (split along dim 0) to each
         rank r and receive ``out_splits[r]`` rows from each into ``out``, in
         rank order; splits left None are equal. Returns ``out``. One exchange
@@ -393,26 +449,20 @@ class Peer(PeerBase):
                     f"this rank sends itself {ins[me.rank]} elements but expects {outs[me.rank]}",
                     op=name,
                 )
-        self._check_open()
+        self._engine.check_open()
         source = tensor.detach().reshape(-1).to("cpu").contiguous()
         host = out.detach()
         direct = host.device.type == "cpu" and host.is_contiguous()
         target = host.view(-1) if direct else torch.empty(out.numel(), dtype=out.dtype)
-        job = self._job(pb.ALL_TO_ALL, name, source, out=target)
+        job = self._engine.number(pb.ALL_TO_ALL, name, source, out=target)
         job.splits = (ins, outs)
 
-        async def run() -> torch.Tensor:
-            if self._me.world_size > 1:
-                await self._engine.execute(job)
-            else:
-                self._check_open()
-                target.copy_(source)
+        def back() -> None:
             if not direct:
                 with torch.no_grad():
                     out.copy_(target.view(out.shape))
-            return out
 
-        return run()
+        return self._call(Placed(job, back), lambda: out)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Coroutine[Any, Any, None]:
         """Send ``tensor`` to rank ``dst``: not a collective. The n-th send
@@ -426,7 +476,7 @@ class Peer(PeerBase):
         validate.tensor(me, tensor, "send")
         peer = validate.peer(me, dst, "send")
         validate.tag(me, tag, "send")
-        self._check_open()
+        self._engine.check_open()
         data = tensor.detach().reshape(-1).to("cpu").contiguous()
         n = self._p2p.take("send", peer, tag)
         job = Job(n, "send", pb.Descriptor(), data, ReduceOp.SUM)
@@ -443,7 +493,7 @@ class Peer(PeerBase):
         validate.writable(me, tensor, "recv")
         peer = validate.peer(me, src, "recv")
         validate.tag(me, tag, "recv")
-        self._check_open()
+        self._engine.check_open()
         host = tensor.detach()
         direct = host.device.type == "cpu" and host.is_contiguous()
         target = host.view(-1) if direct else torch.empty(tensor.numel(), dtype=tensor.dtype)
@@ -459,10 +509,8 @@ class Peer(PeerBase):
 
         return run()
 
-    def barrier(self) -> Coroutine[Any, Any, None]:
+    def barrier(self) -> Call[None]:
         """Return once every rank has entered the barrier. Synchronization point."""
-        self._check_open()
+        self._engine.check_open()
         token = torch.zeros(self.world_size, dtype=torch.int32)
-        return self._run(Placed(self._job(pb.BARRIER, "barrier", token)), None)
-
-    # ---------------------------------------------------------------- close
+        return self._call(Placed(self._engine.number(pb.BARRIER, "barrier", token)), lambda: None)

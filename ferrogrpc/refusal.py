@@ -18,29 +18,31 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .engine import Engine
 from .errors import ConfigError, FerroGrpcError
 from .failure import FailurePolicy
 from .jobs import JobTable
+from .lifecycle import Lifecycle
 
 
 class CallChecks:
     """Runs a rank's argument checks (:meth:`run`). Built on the rank's
-    event loop; used from any thread. ``closed()`` says whether the peer
-    has been closed (a closed or broken peer refuses alone: nobody is
-    waiting for it)."""
+    event loop; used from any thread. A refusal takes its sequence numbers
+    in ``jobs``, is built by ``failure``, and is handed to ``tell`` on the
+    loop (which tells every rank and drops what arrives for it). A peer
+    that ``life`` says is closing or broken refuses alone: nobody is
+    waiting for it."""
 
     def __init__(
         self,
         jobs: JobTable,
         failure: FailurePolicy,
-        engine: Engine,
-        closed: Callable[[], bool],
+        life: Lifecycle,
+        tell: Callable[[list[FerroGrpcError]], None],
     ) -> None:
         self._jobs = jobs
         self._failure = failure
-        self._engine = engine
-        self._closed = closed
+        self._life = life
+        self._tell = tell
         self._loop = asyncio.get_running_loop()
 
     @contextlib.contextmanager
@@ -59,14 +61,14 @@ class CallChecks:
 
     def _refuse(self, name: str, exc: Exception, count: int) -> list[int]:
         me = self._failure.identity
-        if me.world_size == 1 or self._closed() or self._failure.broken is not None:
+        if me.world_size == 1 or self._life.closing or self._life.broken is not None:
             return []
         message = exc.message if isinstance(exc, FerroGrpcError) else f"{type(exc).__name__}: {exc}"
         errors = self._jobs.refuse(
             lambda seq: self._failure.refusal_error(name, seq, message), count
         )
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody left to tell
-            self._loop.call_soon_threadsafe(self._engine.refused, list(errors))
+            self._loop.call_soon_threadsafe(self._tell, list[FerroGrpcError](errors))
         return [err.seq for err in errors if err.seq is not None]
 
 

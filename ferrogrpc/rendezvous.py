@@ -69,6 +69,45 @@ def route_host(target: str) -> str:
     raise RendezvousError(f"no route to MASTER_ADDR {target!r}")
 
 
+def exchange_through_store(
+    store: Any,
+    prefix: str,
+    rank: int,
+    world_size: int,
+    entry: dict[str, str],
+    timeout: float,
+    *,
+    hosted_here: bool,
+) -> list[dict[str, str]]:
+    """The store rendezvous, ours (StoreRendezvous) and the torch backend's
+    alike: set this rank's ``entry`` under ``prefix``, wait for every rank's,
+    and return the table in rank order. With ``hosted_here`` (rank 0 of this
+    job serves the store, and stops it once the exchange is done), every
+    rank then says it has read the table, and rank 0 returns only once all
+    have: the store's last reader decides when it may go. Raises the
+    store's RuntimeError or OSError."""
+    wait = datetime.timedelta(seconds=timeout)
+    store.set(f"{prefix}peer/{rank}", json.dumps(entry))
+    keys = [f"{prefix}peer/{r}" for r in range(world_size)]
+    store.wait(keys, wait)
+    table = [json.loads(store.get(k).decode()) for k in keys]
+    if hosted_here:
+        store.set(f"{prefix}read/{rank}", "1")
+        if rank == 0:
+            store.wait([f"{prefix}read/{r}" for r in range(world_size)], wait)
+    return table
+
+
+def table_result(rank: int, world_size: int, table: list[dict[str, str]]) -> RendezvousResult:
+    return RendezvousResult(
+        rank,
+        world_size,
+        [e["address"] for e in table],
+        [e["nonce"] for e in table],
+        [e.get("host", "") for e in table],
+    )
+
+
 def _store_socket(host: str, port: int) -> socket.socket | None:
     """A socket listening on ``port`` of the one address ``host`` names, for
     the store to serve on; None where the store must listen on every
@@ -175,20 +214,19 @@ class StoreRendezvous:
     def _exchange(self, address: str, nonce: str, host: str) -> list[dict[str, str]]:
         store: Any = self._connect()
         self.store = store
-        timeout = datetime.timedelta(seconds=self.timeout)
         try:
-            entry = json.dumps({"address": address, "nonce": nonce, "host": host})
-            store.set(f"{self.prefix}peer/{self.rank}", entry)
-            keys = [f"{self.prefix}peer/{r}" for r in range(self.world_size)]
-            store.wait(keys, timeout)
-            table = [json.loads(store.get(k).decode()) for k in keys]
-            # Say this rank has read the table; the hosting rank 0 waits for
-            # every rank to, then stops serving (close()): nobody needs the
-            # store any more, and it holds every rank's nonce.
-            store.set(f"{self.prefix}read/{self.rank}", "1")
-            if self.rank == 0 and not self.agent_store:
-                store.wait([f"{self.prefix}read/{r}" for r in range(self.world_size)], timeout)
-            return table
+            # A store this job's rank 0 hosts is stopped once every rank has
+            # read the table (close()): nobody needs it any more, and it holds
+            # every rank's nonce. torchrun's agent store lives on.
+            return exchange_through_store(
+                store,
+                self.prefix,
+                self.rank,
+                self.world_size,
+                {"address": address, "nonce": nonce, "host": host},
+                self.timeout,
+                hosted_here=not self.agent_store,
+            )
         except (RuntimeError, OSError) as exc:
             raise RendezvousError(
                 f"not every rank published its address to {self.master_addr}:{self.master_port} "
@@ -205,13 +243,7 @@ class StoreRendezvous:
             table = await loop.run_in_executor(None, self._exchange, address, nonce, host)
         finally:
             self.store = None  # a hosting rank 0 stops serving here
-        return RendezvousResult(
-            self.rank,
-            self.world_size,
-            [e["address"] for e in table],
-            [e["nonce"] for e in table],
-            [e.get("host", "") for e in table],
-        )
+        return table_result(self.rank, self.world_size, table)
 
     def start_heartbeats(self, activity: Activity) -> None:
         """Nothing: a TCPStore keeps no member table."""

@@ -104,7 +104,7 @@ def stats(of: Peer | Backend) -> Stats:
 
 def broken(of: Peer | Backend) -> FerroGrpcError | None:
     """The failure that broke a rank, or None."""
-    return _peer(of)._failure.broken
+    return _peer(of)._life.broken
 
 
 def set_checksum(of: Peer | Backend, checksum: Checksum | bool | str | None) -> None:

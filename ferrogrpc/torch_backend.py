@@ -23,7 +23,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import datetime
-import json
 import os
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
@@ -33,9 +32,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Work as _TorchWork
 
 from .backend import Backend
-from .direct import DirectCall
+from .call import Call
 from .errors import ConfigError, FerroGrpcError, RendezvousError
-from .rendezvous import Activity, RendezvousResult
+from .rendezvous import Activity, RendezvousResult, exchange_through_store, table_result
 from .settings import MASTER_ADDR_ENV, Settings
 from .startup import start_backend
 from .work import Work
@@ -66,31 +65,32 @@ class TorchStoreRendezvous:
         self.timeout = timeout
 
     def _exchange(self, address: str, nonce: str, host: str) -> list[dict[str, str]]:
-        entry = json.dumps({"address": address, "nonce": nonce, "host": host})
-        self.store.set(f"ferrogrpc/peer/{self.rank}", entry)
-        keys = [f"ferrogrpc/peer/{r}" for r in range(self.world_size)]
+        entry = {"address": address, "nonce": nonce, "host": host}
         try:
-            self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
+            # torch owns this store (and keeps it for the group's life): no
+            # read handshake, which only decides when a store we host may stop.
+            return exchange_through_store(
+                self.store,
+                "ferrogrpc/",
+                self.rank,
+                self.world_size,
+                entry,
+                self.timeout,
+                hosted_here=False,
+            )
         except (RuntimeError, OSError) as exc:
             raise RendezvousError(
                 f"not every rank published its address within {self.timeout:g}s: {exc}",
                 rank=self.rank,
                 world_size=self.world_size,
             ) from exc
-        return [json.loads(self.store.get(k).decode()) for k in keys]
 
     async def exchange(
         self, rank: int | None, world_size: int | None, address: str, nonce: str, host: str = ""
     ) -> RendezvousResult:
         loop = asyncio.get_running_loop()
         table = await loop.run_in_executor(None, self._exchange, address, nonce, host)
-        return RendezvousResult(
-            self.rank,
-            self.world_size,
-            [e["address"] for e in table],
-            [e["nonce"] for e in table],
-            [e.get("host", "") for e in table],
-        )
+        return table_result(self.rank, self.world_size, table)
 
     def start_heartbeats(self, activity: Activity) -> None:
         """Nothing: a store keeps no member table."""
@@ -197,10 +197,10 @@ class FerroProcessGroup(dist.ProcessGroup):
         """A small collective on one host whose turn it is runs now, in this
         thread (direct.py), and torch gets a completed Work (its error, if
         any, raised by ``wait()``); any other runs on the backend's loop."""
-        if isinstance(coro, DirectCall):
+        if isinstance(coro, Call):
             future: concurrent.futures.Future[Any] = concurrent.futures.Future()
             try:
-                done, _ = coro.run_now()
+                done, _ = coro.run_here()
             except FerroGrpcError as exc:
                 future.set_exception(exc)
                 return FerroWork(Work(future, name))
