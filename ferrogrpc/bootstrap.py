@@ -16,6 +16,7 @@ import secrets
 from ._malloc import tune_allocator
 from .context import RankContext
 from .errors import Identity
+from .exchange_plan import SMALL_BYTES
 from .failure import FailurePolicy
 from .grpc_transport import HEADER_ROOM, GrpcTransport
 from .intake import Intake, Session, credential
@@ -26,7 +27,6 @@ from .mailboxes import Mailboxes
 from .options import ChunkPolicy
 from .rendezvous import Rendezvous, RendezvousResult, StoreRendezvous
 from .settings import Settings
-from .small import SMALL_BYTES
 from .topology import Topology
 from .transport import Transport
 

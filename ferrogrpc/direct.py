@@ -1,7 +1,7 @@
 """Small collectives on one host, run from the caller's thread.
 
-When every rank shares one host, a small collective (``small.is_small``:
-at most ``small.SMALL_BYTES``, per rank's part for an all-gather or a
+When every rank shares one host, a small collective (``exchange_plan.is_small``:
+at most ``exchange_plan.SMALL_BYTES``, per rank's part for an all-gather or a
 reduce-scatter) is one exchange of messages on *direct sockets*: a
 Unix socket pair per pair of ranks, set up with the shared-memory plane
 (local.py), that the calling thread uses itself. A synchronous call runs
@@ -41,9 +41,9 @@ import torch
 
 from .context import RankContext
 from .errors import CollectiveTimeoutError, Evidence, FerroGrpcError, PeerError
+from .exchange_plan import finish, is_small, mismatch, plan, wrong_size
 from .jobs import Job
 from .local import BEGIN, LocalPlane, split_small
-from .small import finish, is_small, mismatch, plan, wrong_size
 from .v1 import collective_pb2 as pb
 from .wire import bytes_view
 

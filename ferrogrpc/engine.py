@@ -25,6 +25,7 @@ from .context import RankContext
 from .descriptor import build_plans, make_descriptor
 from .direct import DeadlinePassedError, Direct, is_direct
 from .errors import FerroGrpcError, PeerError
+from .exchange_plan import is_small
 from .hierarchy import HierRunner
 from .jobs import Job, JobTable
 from .lane import LaneRunner
@@ -34,7 +35,7 @@ from .local import LocalPlane
 from .localalgo import LocalRunner
 from .ops import ReduceOp
 from .options import ChunkPolicy
-from .small import SmallRunner, is_small
+from .small import SmallRunner
 from .topology import Topology
 from .v1 import collective_pb2 as pb
 
@@ -68,7 +69,7 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._descriptors: dict[tuple[Any, ...], pb.Descriptor] = {}
         # All-gathers and reduce-scatters are small by one rank's part, except
-        # where several hosts hold several ranks each (small.is_small).
+        # where several hosts hold several ranks each (exchange_plan.is_small).
         topo = self.topology
         self._by_part = topo.single_host or not topo.shares_memory
         # Small collectives run on direct sockets when every rank is on this host.

@@ -10,7 +10,7 @@ import torch
 
 import ferrogrpc as fg
 from ferrogrpc import lane, local
-from ferrogrpc.small import SMALL_BYTES
+from ferrogrpc.exchange_plan import SMALL_BYTES
 from ferrogrpc.v1 import collective_pb2 as pb
 from tests.conformance import check_all_reduce, run_conformance
 from tests.helpers import count_exchanges, reference_sum

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
+from ferrogrpc.exchange_plan import TINY_ELEMS, _reduce_tiny
 from ferrogrpc.ops import ReduceOp
-from ferrogrpc.small import TINY_ELEMS, _reduce_tiny
 from ferrogrpc.wire import bytes_view
 
 pytestmark = pytest.mark.timeout(60)
