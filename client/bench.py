@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ferrogrpc.launch import free_port, spawn_ranks
+from ferrogrpc.control.launch import free_port, spawn_ranks
 
 MiB = 1 << 20
 SHM = "shm"

@@ -41,7 +41,7 @@ from functools import partial
 from typing import Any
 
 from client.bench import _measure, collect, fmt_size, parse_size
-from ferrogrpc.launch import free_port, spawn_ranks
+from ferrogrpc.control.launch import free_port, spawn_ranks
 
 IMPLS = ("gloo", "shm", "grpc")
 SIZES = ["4", "64", "1K", "16K", "64K", "256K", "1M"]

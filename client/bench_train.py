@@ -40,7 +40,7 @@ import warnings
 from typing import Any
 
 from client.bench import collect, rotated
-from ferrogrpc.launch import free_port, spawn_ranks
+from ferrogrpc.control.launch import free_port, spawn_ranks
 
 
 def build_model(width: int, depth: int, device_ms: float = 0.0, io: int = 1024) -> Any:

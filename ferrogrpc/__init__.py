@@ -38,16 +38,7 @@ if TYPE_CHECKING or not _torch_free_program():
     # Everything else imports the whole API now, and with it registers the
     # torch.distributed backend (``dist.init_process_group("ferrogrpc")``).
     from . import testing
-    from ._api import (
-        DDP,
-        FSDP,
-        SUPPORTED_DTYPES,
-        Backend,
-        Peer,
-        ReduceOp,
-        Work,
-        init_backend,
-    )
+    from ._api import DDP, FSDP, SUPPORTED_DTYPES, Backend, Peer, ReduceOp, Work, init_backend
 else:
 
     def __getattr__(name: str) -> Any:

@@ -4,14 +4,15 @@ torch.distributed backend."""
 
 from __future__ import annotations
 
-from . import testing, torch_backend
-from .backend import Backend
-from .ddp import DDP
-from .fsdp import FSDP
+from . import testing
 from .ops import SUPPORTED_DTYPES, ReduceOp
-from .peer import Peer
-from .startup import init_backend
-from .work import Work
+from .runtime.backend import Backend
+from .runtime.peer import Peer
+from .runtime.startup import init_backend
+from .runtime.work import Work
+from .wrappers import process_group as torch_backend
+from .wrappers.ddp import DDP
+from .wrappers.fsdp import FSDP
 
 # ``dist.init_process_group("ferrogrpc")`` works once ferrogrpc is imported.
 torch_backend.register()

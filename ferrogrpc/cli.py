@@ -9,9 +9,9 @@ import time
 
 
 def _status(target: str) -> int:
-    from .coordinator import fetch_status
+    from .control.coordinator import fetch_status
     from .errors import ConfigError, RendezvousError
-    from .settings import Settings
+    from .runtime.settings import Settings
 
     try:
         s = Settings.from_env()  # FERROGRPC_TOKEN and FERROGRPC_TLS_*, as the coordinator's
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.command == "status":
         return _status(ns.target)
-    from .launch import launch
+    from .control.launch import launch
 
     argv_ranks = [sys.executable, *(["-m"] if ns.module else []), ns.script, *ns.args]
     return launch(ns.nproc, argv_ranks, master_port=ns.master_port)

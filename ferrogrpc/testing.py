@@ -13,20 +13,20 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal
 
-from .backend import Backend
-from .bootstrap import message_limit
-from .context import Stats
+from .algorithms.context import Stats
+from .control.rendezvous import LocalRendezvous
 from .errors import FerroGrpcError
-from .grpc_transport import GrpcTransport
-from .integrity import Checksum
 from .ops import kind_name
 from .options import ChunkPolicy, Timeouts, TLSConfig
-from .peer import Peer
-from .rendezvous import LocalRendezvous
-from .settings import resolve_checksum
-from .transport import MemoryTransport, Transport
+from .runtime.backend import Backend
+from .runtime.join import message_limit
+from .runtime.peer import Peer
+from .runtime.settings import resolve_checksum
+from .transport.grpc_streams import GrpcTransport
+from .transport.integrity import Checksum
+from .transport.streams import MemoryTransport, Transport
+from .transport.wire import decode, encode
 from .v1 import collective_pb2 as pb
-from .wire import decode, encode
 
 
 @contextlib.asynccontextmanager

@@ -77,7 +77,7 @@ def main() -> int:
         worker(args)
         return 0
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from ferrogrpc.launch import free_port, spawn_ranks
+    from ferrogrpc.control.launch import free_port, spawn_ranks
 
     os.environ["CHUNK_AB_PORTS"] = ",".join(str(free_port()) for _ in args.chunks_mib)
     argv = [sys.executable, __file__, *sys.argv[1:], "--worker"]

@@ -31,7 +31,7 @@ OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_leng
 async def rank_main(
     rank: int, world: int, base: int, count: int, size: int, start_at: float
 ) -> tuple[float, float]:
-    from ferrogrpc._malloc import tune_allocator
+    from ferrogrpc.runtime.allocator import tune_allocator
 
     tune_allocator()  # the same allocator settings ferrogrpc runs with
     done = asyncio.Event()

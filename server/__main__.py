@@ -17,9 +17,9 @@ import signal
 import sys
 import threading
 
-from ferrogrpc.coordinator import Coordinator, Limits
+from ferrogrpc.control.coordinator import Coordinator, Limits
 from ferrogrpc.errors import ConfigError
-from ferrogrpc.settings import Settings
+from ferrogrpc.runtime.settings import Settings
 
 # Log records waiting for the writer thread; beyond this many, new ones are
 # dropped (and counted) rather than making the server wait.

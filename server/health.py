@@ -11,8 +11,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ferrogrpc.errors import ConfigError
-from ferrogrpc.grpc_auth import sync_channel, token_metadata
-from ferrogrpc.settings import Settings
+from ferrogrpc.runtime.settings import Settings
+from ferrogrpc.transport.auth import sync_channel, token_metadata
 
 
 def main(argv: list[str] | None = None) -> int:

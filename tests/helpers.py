@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ferrogrpc as fg
-from ferrogrpc import launch
+from ferrogrpc.control import launch
 
 T = TypeVar("T")
 
@@ -197,7 +197,7 @@ def os_thread_names() -> dict[str, int]:
 def count_exchanges(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Record the kind of every all-gather and reduce-scatter that runs in
     one exchange (small.SmallRunner), in this process, from now on."""
-    from ferrogrpc.small import SmallRunner
+    from ferrogrpc.algorithms.one_exchange import SmallRunner
     from ferrogrpc.v1 import collective_pb2 as pb
 
     kinds: list[int] = []

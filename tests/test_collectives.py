@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import ferrogrpc as fg
-from ferrogrpc import lane, local
-from ferrogrpc.exchange_plan import SMALL_BYTES
+from ferrogrpc.algorithms import ring as lane
+from ferrogrpc.algorithms.exchange_plan import SMALL_BYTES
+from ferrogrpc.samehost import plane as local
 from ferrogrpc.v1 import collective_pb2 as pb
 from tests.conformance import check_all_reduce, run_conformance
 from tests.helpers import count_exchanges, reference_sum

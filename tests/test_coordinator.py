@@ -19,11 +19,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import ferrogrpc as fg
-from ferrogrpc.coordinator import Coordinator, CoordinatorRendezvous, Limits, fetch_status
-from ferrogrpc.coordinator_client import SERVICE
-from ferrogrpc.grpc_auth import aio_channel, token_metadata
-from ferrogrpc.grpc_transport import GrpcTransport
-from ferrogrpc.settings import Settings
+from ferrogrpc.control.coordinator import Coordinator, CoordinatorRendezvous, Limits, fetch_status
+from ferrogrpc.control.coordinator_client import SERVICE
+from ferrogrpc.runtime.settings import Settings
+from ferrogrpc.transport.auth import aio_channel, token_metadata
+from ferrogrpc.transport.grpc_streams import GrpcTransport
 from ferrogrpc.v1 import rendezvous_pb2 as rpb
 from tests.helpers import free_port, reference_sum
 from tests.test_security import _certificates
@@ -590,7 +590,7 @@ def test_the_coordinator_and_its_healthcheck_import_no_torch() -> None:
     port = free_port()
     for args in (("-m", "server.health", f"127.0.0.1:{port}"), ("-m", "server", "--help")):
         imported = _imported(*args)
-        assert "ferrogrpc.settings" in imported, args
+        assert "ferrogrpc.runtime.settings" in imported, args
         assert not [m for m in imported if m.split(".")[0] == "torch"], args
     # Anything else gets the whole API (and the torch.distributed backend)
     # at import; those programs get it on first use.

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ferrogrpc as fg
-from ferrogrpc.exchange_plan import SMALL_BYTES
+from ferrogrpc.algorithms.exchange_plan import SMALL_BYTES
 from ferrogrpc.v1 import collective_pb2 as pb
 from tests.helpers import ServedJob, backends, count_exchanges, on_ranks
 

@@ -22,21 +22,21 @@ import pytest
 import torch
 
 import ferrogrpc as fg
-from ferrogrpc import wire
-from ferrogrpc.bootstrap import message_limit
+from ferrogrpc.control.rendezvous import LocalRendezvous, RendezvousResult, StoreRendezvous
 from ferrogrpc.errors import Identity
-from ferrogrpc.grpc_auth import token_metadata
-from ferrogrpc.grpc_transport import (
+from ferrogrpc.runtime.intake import credential
+from ferrogrpc.runtime.join import message_limit
+from ferrogrpc.runtime.settings import Settings
+from ferrogrpc.samehost.plane import _FRAME, HELLO, LocalPlane
+from ferrogrpc.transport import wire
+from ferrogrpc.transport.auth import token_metadata
+from ferrogrpc.transport.grpc_streams import (
     ABORT_METHOD,
     DEFAULT_MAX_MESSAGE,
     HEADER_ROOM,
     SEND_METHOD,
     GrpcTransport,
 )
-from ferrogrpc.intake import credential
-from ferrogrpc.local import _FRAME, HELLO, LocalPlane
-from ferrogrpc.rendezvous import LocalRendezvous, RendezvousResult, StoreRendezvous
-from ferrogrpc.settings import Settings
 from ferrogrpc.v1 import collective_pb2 as pb
 from tests.helpers import ServedJob, free_port, memory_of, reset_peak
 
@@ -385,7 +385,7 @@ async def test_the_receive_limit_follows_the_chunk_policy() -> None:
 
 
 def test_where_the_store_binds_follows_what_master_addr_names() -> None:
-    from ferrogrpc.rendezvous import _store_socket
+    from ferrogrpc.control.rendezvous import _store_socket
 
     # An address of this machine, literal or "localhost": that address only.
     for name, bound in (("127.0.0.3", "127.0.0.3"), ("localhost", None)):

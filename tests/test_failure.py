@@ -11,24 +11,18 @@ import time
 import pytest
 import torch
 
-from ferrogrpc import failure as failure_module
-from ferrogrpc.context import RankContext
-from ferrogrpc.descriptor import build_plans, make_descriptor
-from ferrogrpc.errors import (
-    Evidence,
-    FerroGrpcError,
-    Identity,
-    PeerError,
-    ProtocolError,
-)
-from ferrogrpc.failure import FailurePolicy
-from ferrogrpc.intake import Intake, Session
-from ferrogrpc.jobs import JobTable
-from ferrogrpc.lane import LaneRunner
-from ferrogrpc.mailboxes import Mailboxes
+from ferrogrpc.algorithms.context import RankContext
+from ferrogrpc.algorithms.descriptor import build_plans, make_descriptor
+from ferrogrpc.algorithms.jobs import JobTable
+from ferrogrpc.algorithms.mailboxes import Mailboxes
+from ferrogrpc.algorithms.ring import LaneRunner
+from ferrogrpc.errors import Evidence, FerroGrpcError, Identity, PeerError, ProtocolError
+from ferrogrpc.failure import policy as failure_module
+from ferrogrpc.failure.policy import FailurePolicy
 from ferrogrpc.ops import ReduceOp
 from ferrogrpc.options import Timeouts
-from ferrogrpc.transport import MemoryTransport
+from ferrogrpc.runtime.intake import Intake, Session
+from ferrogrpc.transport.streams import MemoryTransport
 from ferrogrpc.v1 import collective_pb2 as pb
 
 pytestmark = pytest.mark.timeout(30)

@@ -168,7 +168,7 @@ async def test_bad_arguments_raise_before_sending() -> None:
 
 
 async def test_checksum_algorithm_mismatch() -> None:
-    from ferrogrpc.integrity import crc32c
+    from ferrogrpc.transport.integrity import crc32c
 
     async with fg.testing.local_group(2, timeouts=fg.Timeouts(collective=20, idle=10)) as peers:
         fg.testing.set_checksum(peers[1], crc32c)

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import ferrogrpc as fg
-from ferrogrpc import wire
 from ferrogrpc.errors import Evidence, Identity
-from ferrogrpc.failure import FailurePolicy
+from ferrogrpc.failure.policy import FailurePolicy
+from ferrogrpc.transport import wire
 from ferrogrpc.v1 import collective_pb2 as pb
 from tests.helpers import ServedJob, reference_sum
 

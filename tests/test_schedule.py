@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from ferrogrpc import schedule
-from ferrogrpc.schedule import COPY, REDUCE, REDUCE_LAST
+from ferrogrpc.algorithms import schedule
+from ferrogrpc.algorithms.schedule import COPY, REDUCE, REDUCE_LAST
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -24,10 +24,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ferrogrpc as fg
-from ferrogrpc import integrity, wire
-from ferrogrpc.grpc_transport import ABORT_METHOD, SEND_METHOD, TOKEN_METADATA_KEY
-from ferrogrpc.settings import Settings
+from ferrogrpc.runtime.settings import Settings
 from ferrogrpc.testing import Fault, FaultKind
+from ferrogrpc.transport import integrity, wire
+from ferrogrpc.transport.grpc_streams import ABORT_METHOD, SEND_METHOD, TOKEN_METADATA_KEY
 from ferrogrpc.v1 import collective_pb2 as pb
 from tests.helpers import async_wait_until, backends, free_port, on_ranks
 

@@ -17,7 +17,7 @@ import time
 import pytest
 
 import ferrogrpc as fg
-from ferrogrpc import local
+from ferrogrpc.samehost import plane as local
 from tests.helpers import RANKS, async_wait_until, free_port, rank_env
 
 pytestmark = pytest.mark.timeout(90)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import ferrogrpc as fg
+from ferrogrpc.algorithms.staging import Copier, PinnedPool, Stage, host_view
 from ferrogrpc.errors import Identity
-from ferrogrpc.placement import Placement
-from ferrogrpc.staging import Copier, PinnedPool, Stage, host_view
+from ferrogrpc.runtime.placement import Placement
 from tests.helpers import reference_sum
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from ferrogrpc.exchange_plan import TINY_ELEMS, _reduce_tiny
+from ferrogrpc.algorithms.exchange_plan import TINY_ELEMS, _reduce_tiny
 from ferrogrpc.ops import ReduceOp
-from ferrogrpc.wire import bytes_view
+from ferrogrpc.transport.wire import bytes_view
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrogrpc import wire
+from ferrogrpc.transport import wire
 from ferrogrpc.v1 import collective_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)

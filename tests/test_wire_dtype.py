@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ferrogrpc as fg
-from ferrogrpc import lane
+from ferrogrpc.algorithms import ring as lane
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -232,7 +232,7 @@ def test_ddp_compression_is_checked() -> None:
 def test_a_chunk_is_as_many_bytes_on_the_wire_in_a_narrower_dtype() -> None:
     # Fewer messages for the same bytes: in bfloat16 a chunk holds twice the
     # float32 elements (each message costs the same fixed amount).
-    from ferrogrpc.descriptor import make_descriptor
+    from ferrogrpc.algorithms.descriptor import make_descriptor
     from ferrogrpc.ops import ReduceOp
     from ferrogrpc.v1 import collective_pb2 as pb
 

@@ -1,0 +1,96 @@
+"""What a collective is, as every rank must agree on it: the descriptor that
+opens each stream, the check that compares two of them, and the per-lane
+plans a descriptor implies on a rank."""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops import DTYPE_TO_WIRE, OP_TO_WIRE, ReduceOp, kind_name, wire_dtype_name, wire_op_name
+from ..transport import integrity
+from ..transport.integrity import Checksum
+from ..v1 import collective_pb2 as pb
+from . import schedule
+from .schedule import LanePlan
+
+_FIELDS = (
+    ("kind", kind_name),
+    ("dtype", wire_dtype_name),
+    ("numel", str),
+    ("reduce_op", wire_op_name),
+    ("root", str),
+    ("world_size", str),
+    # Before the cutting it implies: a chunk's elements follow the wire dtype.
+    ("wire_dtype", lambda code: wire_dtype_name(code) if code else "none"),
+    ("lanes", str),
+    ("chunk_elems", str),
+    ("checksum", integrity.kind_name),
+)
+
+_REDUCING = (pb.ALL_REDUCE, pb.REDUCE_SCATTER)
+
+
+def make_descriptor(
+    kind: int,
+    buffer: torch.Tensor,
+    op: ReduceOp,
+    root: int,
+    world_size: int,
+    chunking: tuple[int, int],
+    lane_min_bytes: int,
+    checksum: Checksum | None,
+    wire: torch.dtype | None = None,
+) -> pb.Descriptor:
+    """The descriptor of a collective of ``kind`` on the flat ``buffer``,
+    cut by ``chunking`` = (chunk_bytes, max_lanes), its chunks travelling
+    as ``wire`` (None: as ``buffer``'s dtype)."""
+    chunk_bytes, max_lanes = chunking
+    itemsize = buffer.element_size()
+    lanes = schedule.lane_count(buffer.numel() * itemsize, max_lanes, lane_min_bytes)
+    return pb.Descriptor(
+        kind=kind,  # type: ignore[arg-type]
+        dtype=DTYPE_TO_WIRE[buffer.dtype],  # type: ignore[arg-type]
+        # An all_to_all's sizes may differ by rank: each receiver checks them.
+        numel=0 if kind == pb.ALL_TO_ALL else buffer.numel(),
+        reduce_op=OP_TO_WIRE[op] if kind in _REDUCING else 0,  # type: ignore[arg-type]
+        root=root,
+        world_size=world_size,
+        lanes=lanes,
+        # A chunk is chunk_bytes on the wire: in a narrower wire dtype it holds
+        # more elements (fewer messages, each costing the same per message).
+        chunk_elems=schedule.chunk_elems_for(chunk_bytes, wire.itemsize if wire else itemsize),
+        checksum=integrity.checksum_kind(checksum),  # type: ignore[arg-type]
+        wire_dtype=DTYPE_TO_WIRE[wire] if wire is not None else 0,  # type: ignore[arg-type]
+    )
+
+
+def describe_mismatch(mine: pb.Descriptor, theirs: pb.Descriptor, me: int, them: int) -> str | None:
+    """The first field on which two ranks' descriptors differ, naming both
+    ranks and both values; None when they agree."""
+    for field, render in _FIELDS:
+        a = getattr(mine, field)
+        b = getattr(theirs, field)
+        if a != b:
+            return (
+                f"ranks disagree on {field}: rank {me} has {field}={render(a)}, "
+                f"rank {them} has {field}={render(b)}"
+            )
+    return None
+
+
+def build_plans(desc: pb.Descriptor, rank: int, world: int) -> list[LanePlan]:
+    """The per-lane plans of the collective ``desc`` on ``rank``."""
+    lanes = desc.lanes
+    layout_world = 1 if desc.kind == pb.BROADCAST else world
+    layout = schedule.Layout.build(desc.numel, layout_world, lanes, desc.chunk_elems)
+    if desc.kind == pb.BROADCAST:
+        return [
+            schedule.broadcast_plan(layout, lane, rank, desc.root, world) for lane in range(lanes)
+        ]
+    if desc.kind in (pb.ALL_REDUCE, pb.BARRIER):
+        steps = schedule.all_reduce_steps(rank, world)
+    elif desc.kind == pb.REDUCE_SCATTER:
+        steps = schedule.reduce_scatter_steps(rank, world)
+    else:
+        steps = schedule.all_gather_steps(rank, world)
+    return [schedule.ring_plan(layout, lane, steps) for lane in range(lanes)]

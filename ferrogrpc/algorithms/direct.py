@@ -1,0 +1,384 @@
+"""Small collectives on one host, run from the caller's thread.
+
+When every rank shares one host, a small collective (``exchange_plan.is_small``:
+at most ``exchange_plan.SMALL_BYTES``, per rank's part for an all-gather or a
+reduce-scatter) is one exchange of messages on *direct sockets*: a
+Unix socket pair per pair of ranks, set up with the shared-memory plane
+(local.py), that the calling thread uses itself. A synchronous call runs
+the exchange in the calling thread itself, as gloo does: no hand-off to the
+event loop and back, no asyncio task per message. An asynchronous one (or a
+call made while an earlier direct one is still running) runs the same
+exchange in the engine's direct thread. Direct jobs take turns, one at a
+time in call order, which is the same order on every rank; so the
+messages on each socket come in sequence order.
+
+What the loop's path guarantees holds here too:
+
+- every message carries its sender's descriptor, checked as a ring's is;
+  a rank that ran the collective another way (a size on the other side of
+  the threshold) is found through the plane's signals and named;
+- a peer whose process ends is found by its socket's end, after its last
+  report through the plane has had a moment to land;
+- a peer that sends nothing for the idle timeout is pinged: one that does
+  not answer is named as stuck; the collective deadline still applies;
+- a refusal, a break or a close reaches the waiting thread through the
+  plane's wake socket, and the failure policy decides what is raised, on
+  the loop, as for every other collective.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import select
+import socket
+import struct
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, Literal, TypeVar, overload
+
+import torch
+
+from ..errors import CollectiveTimeoutError, Evidence, FerroGrpcError, PeerError
+from ..samehost.plane import BEGIN, LocalPlane, split_small
+from ..transport.wire import bytes_view
+from ..v1 import collective_pb2 as pb
+from .context import RankContext
+from .exchange_plan import finish, is_small, mismatch, plan, wrong_size
+from .jobs import Job
+
+T = TypeVar("T")
+
+# The small collectives (small.py) that run on the direct sockets on one
+# host. A rank whose send finds the socket full reads from it meanwhile, so
+# two ranks that both send before they read never wait for each other.
+DIRECT_KINDS = frozenset(
+    (pb.ALL_REDUCE, pb.BARRIER, pb.BROADCAST, pb.ALL_GATHER, pb.REDUCE_SCATTER)
+)
+
+# A message's head: the bytes after the head, the collective's seq, and the
+# length of the sender's serialized descriptor (which comes next).
+_HEAD = struct.Struct("<IQH")
+
+# The most one read takes from a direct socket.
+RECV_BYTES = 256 << 10
+
+# How long a rank whose peer's direct socket ended waits for that peer's
+# last report through the plane (its abort travels on the signal socket).
+REPORT_WAIT_S = 1.0
+
+
+def is_direct(desc: pb.Descriptor, itemsize: int) -> bool:
+    """Whether a collective runs on the direct sockets (when every rank
+    shares this host): every small one (small.py) but all_to_all."""
+    return desc.kind in DIRECT_KINDS and is_small(desc, itemsize, by_part=True)
+
+
+class DeadlinePassedError(Exception):
+    """A direct job ran past the collective deadline (the loop declares it)."""
+
+
+class Direct:
+    """This rank's end of the direct sockets (see the module docstring)."""
+
+    def __init__(
+        self,
+        ctx: RankContext,
+        plane: LocalPlane,
+        check_open: Callable[[], None],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.ctx = ctx
+        self.me = ctx.identity
+        self.plane = plane
+        self.check_open = check_open
+        self.loop = loop
+        self.socks: dict[int, socket.socket] = {}
+        for rank, link in plane.links.items():
+            assert link.direct is not None
+            self.socks[rank] = link.direct
+        # What each socket delivered past its last whole message, and the
+        # buffer every read lands in first (one read takes a small message whole).
+        self._inbuf = {rank: bytearray() for rank in self.socks}
+        self._scratch = memoryview(bytearray(RECV_BYTES))
+        self._rank_of = {sock: rank for rank, sock in self.socks.items()}
+        # Messages that came ahead of their collective: from a rank that
+        # skipped the one this rank waits in (it refused it).
+        self._early: dict[tuple[int, int], tuple[bytes, memoryview]] = {}
+        # Runs asynchronous direct jobs; one at a time, by their turns.
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, "ferrogrpc-direct")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+
+    # ----------------------------------------------------------- running
+
+    def run(self, job: Job) -> tuple[int, int]:
+        """Run ``job`` (blocking; in its turn); return the element range it
+        produced. Raises FerroGrpcError, or DeadlinePassedError."""
+        me = self.me
+        world = me.world_size
+        outgoing, expect = plan(job, me.rank, world, None)
+        got = self._exchange(job, outgoing, expect)
+        return finish(job, me.rank, world, got, None)
+
+    def on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the loop and wait for it (from another thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def _exchange(
+        self, job: Job, outgoing: dict[int, torch.Tensor], expect: dict[int, int]
+    ) -> dict[int, memoryview]:
+        plane, seq = self.plane, job.seq
+        plane.direct_seq = seq
+        desc = job.descriptor.SerializeToString()
+        views: dict[int, memoryview] = {}  # by tensor: an all-reduce sends one to all
+        for dst, data in outgoing.items():
+            view = views.get(id(data))
+            if view is None:
+                view = views[id(data)] = bytes_view(data)
+            self._send(job, dst, desc, view)
+        got: dict[int, memoryview] = {}
+        for src in list(expect):
+            early = self._early.pop((src, seq), None)
+            if early is not None:
+                got[src] = self._accept(job, src, desc, early, expect[src])
+        pending = set(expect) - set(got)
+        skipped: set[int] = set()  # ranks whose next message is for a later seq
+        idle, deadline_s = self.ctx.timeouts.idle, self.ctx.timeouts.collective
+        start = progress = time.monotonic()
+        wake = plane.wake_r
+        first = True
+        while pending:
+            # What has arrived is read before any reason to stop is looked
+            # at (a peer that finished and closed has sent all it had to);
+            # and those reasons are looked at before any wait: a signal that
+            # came before plane.direct_seq named this job woke nobody.
+            if not first:
+                self._check(job, pending)
+            now = time.monotonic()
+            if now - start >= deadline_s:
+                raise DeadlinePassedError()
+            if now - progress >= idle:
+                self._ping(job, pending, idle)
+                progress = time.monotonic()
+                continue
+            waits: list[socket.socket] = [self.socks[r] for r in pending - skipped]
+            timeout = 0.0 if first else min(idle - (now - progress), deadline_s - (now - start))
+            first = False
+            try:
+                readable, _, _ = select.select([wake, *waits], [], [], timeout)
+            except (OSError, ValueError):  # a socket closed under us: closing
+                self.check_open()
+                raise
+            for sock in readable:
+                if sock is wake:
+                    self._drain_wake()
+                    continue
+                src = self._rank_of[sock]
+                for their_seq, message in self._pull(job, src):
+                    if their_seq < seq:
+                        continue  # a collective this rank did not run (refused): dropped
+                    if their_seq == seq and src not in pending:
+                        raise mismatch(
+                            self.me, job, src, job.descriptor, f"sent {job.name}#{seq} twice"
+                        )
+                    if their_seq > seq:
+                        self._early[(src, their_seq)] = message
+                        skipped.add(src)  # it skipped this one: a refusal is on its way
+                        continue
+                    got[src] = self._accept(job, src, desc, message, expect[src])
+                    pending.discard(src)
+                    progress = time.monotonic()
+        self.ctx.stats.bytes_local += sum(m.nbytes for m in got.values())
+        return got
+
+    # ----------------------------------------------------------- messages
+
+    def _send(self, job: Job, dst: int, desc: bytes, view: memoryview) -> None:
+        """Send one message to ``dst`` (a peer that takes none of it for
+        the idle timeout is stuck)."""
+        head = _HEAD.pack(len(desc) + view.nbytes, job.seq, len(desc)) + desc
+        sock = self.socks[dst]
+        parts = [memoryview(head), view]
+        ended: set[int] = set()  # other peers whose socket ended meanwhile
+        try:
+            while parts:
+                try:
+                    sent = sock.sendmsg(parts, [], socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                while parts and sent >= parts[0].nbytes:
+                    sent -= parts[0].nbytes
+                    parts.pop(0)
+                if parts:
+                    parts[0] = parts[0][sent:]
+                    # Its socket is full: read what every peer sends meanwhile,
+                    # so that ranks sending each other large messages never
+                    # wait on each other, two of them or in a cycle (each
+                    # blocked on the next one's socket).
+                    readable, writable, _ = select.select(
+                        [s for r, s in self.socks.items() if r not in ended],
+                        [sock],
+                        [],
+                        self.ctx.timeouts.idle,
+                    )
+                    for ready in readable:
+                        src = self._rank_of[ready]
+                        pulled = self._pull(job, src, quiet_end=src != dst)
+                        if pulled is None:
+                            ended.add(src)  # looked at again if it is waited for
+                            continue
+                        for seq, message in pulled:
+                            if seq >= job.seq:  # older: not run here (refused)
+                                self._early[(src, seq)] = message
+                    if not readable and not writable:
+                        raise self._stuck(job, dst, "to accept a message")
+        except FerroGrpcError:
+            raise  # (a CollectiveTimeoutError is an OSError too)
+        except (OSError, ValueError) as exc:
+            raise self._gone(job, dst, exc) from None
+
+    @overload
+    def _pull(
+        self, job: Job, src: int, *, quiet_end: Literal[False] = ...
+    ) -> list[tuple[int, tuple[bytes, memoryview]]]: ...
+    @overload
+    def _pull(
+        self, job: Job, src: int, *, quiet_end: bool
+    ) -> list[tuple[int, tuple[bytes, memoryview]]] | None: ...
+    def _pull(
+        self, job: Job, src: int, *, quiet_end: bool = False
+    ) -> list[tuple[int, tuple[bytes, memoryview]]] | None:
+        """Read what ``src``'s socket holds, without waiting; return the
+        messages it completed, as (seq, (descriptor, data)). A message's
+        rest that does not come is a stall, which the idle check catches.
+        The socket's end raises (see :meth:`_gone`); with ``quiet_end`` it
+        returns None instead (a peer that finished and closed may have
+        sent all it had to)."""
+        sock, buf = self.socks[src], self._inbuf[src]
+        try:
+            n = sock.recv_into(self._scratch, len(self._scratch), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return []
+        except (OSError, ValueError) as exc:
+            if quiet_end:
+                return None
+            raise self._gone(job, src, exc) from None
+        if n == 0:
+            if quiet_end:
+                return None
+            raise self._gone(job, src, EOFError("the socket ended"))
+        buf += self._scratch[:n]
+        out = []
+        at = 0
+        while len(buf) - at >= _HEAD.size:
+            length, seq, dlen = _HEAD.unpack_from(buf, at)
+            end = at + _HEAD.size + length
+            if len(buf) < end:
+                break
+            payload = memoryview(bytes(buf[at + _HEAD.size : end]))
+            out.append((seq, (bytes(payload[:dlen]), payload[dlen:])))
+            at = end
+        del buf[:at]
+        return out
+
+    def _accept(
+        self,
+        job: Job,
+        src: int,
+        desc: bytes,
+        message: tuple[bytes, memoryview],
+        nbytes: int,
+    ) -> memoryview:
+        theirs, data = message
+        if theirs != desc:
+            raise mismatch(self.me, job, src, pb.Descriptor.FromString(theirs), "disagrees")
+        if data.nbytes != nbytes:
+            raise wrong_size(self.me, job, src, data.nbytes, nbytes)
+        return data
+
+    # ----------------------------------------------------------- stopping
+
+    def _check(self, job: Job, pending: set[int]) -> None:
+        """Raise if ``job`` must stop: closed or broken here, stopped from the
+        loop, refused by some rank, the plane failed, or a pending peer ran
+        the collective through the plane instead."""
+        self.check_open()
+        if job.stopping:
+            assert job.error is not None
+            raise job.error
+        failure = self.ctx.failure
+        refusal = failure.refusal(job.name, job.seq)
+        if refusal is not None:
+            raise refusal
+        failed = self.plane.failed  # a report through the plane
+        if failed is not None:
+            raise self.me.stamp(failed, job.name, job.seq)
+        for src in pending:
+            # A local peer that closed is only a cause if this rank still
+            # waits for it (it finished; its messages were read first).
+            gone = self.plane.links[src].gone
+            if gone is not None:
+                raise self.me.stamp(gone, job.name, job.seq)
+            fut = self.plane.links[src].first.get(job.seq)
+            if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
+                continue
+            kind, payload = fut.result()
+            if kind == BEGIN:
+                theirs = pb.Descriptor.FromString(payload)
+                raise mismatch(self.me, job, src, theirs, "ran it through shared segments")
+            theirs = pb.Descriptor.FromString(split_small(payload)[0])
+            raise mismatch(self.me, job, src, theirs, "ran it as a larger small collective")
+
+    def _drain_wake(self) -> None:
+        try:
+            while self.plane.wake_r.recv(4096):
+                pass
+        except OSError:
+            pass  # nothing more (or closed)
+
+    def _gone(self, job: Job, src: int, exc: BaseException) -> FerroGrpcError:
+        """``src``'s direct socket ended: this rank closed, or its process is
+        gone. What it reported through the plane before it went, if anything,
+        is the cause."""
+        self.check_open()
+        failure = self.ctx.failure
+        end = time.monotonic() + REPORT_WAIT_S
+        link = self.plane.links[src]
+        while self.plane.failed is None and link.gone is None and failure.broken is None:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            select.select([self.plane.wake_r], [], [], left)
+            self._drain_wake()
+        self._check(job, {src})
+        return self.me.error(
+            PeerError,
+            f"rank {src} on this host is gone: its direct socket closed ({exc})",
+            op=job.name,
+            seq=job.seq,
+            peer=src,
+            evidence=Evidence.UNREACHABLE,
+        )
+
+    def _stuck(self, job: Job, peer: int, what: str) -> FerroGrpcError:
+        """``peer`` did not do ``what`` for the idle timeout."""
+        return self.me.error(
+            CollectiveTimeoutError,
+            f"waited {self.ctx.timeouts.idle:g}s for rank {peer} "
+            f"({self.me.address_of(peer)}) {what}: it is stuck",
+            op=job.name,
+            seq=job.seq,
+            peer=peer,
+        )
+
+    def _ping(self, job: Job, pending: set[int], idle: float) -> None:
+        """No message for the idle timeout: name a pending peer whose loop
+        does not answer a ping (stuck); the others are only waiting."""
+        for peer in sorted(pending):
+            try:
+                self.on_loop(self.ctx.transport.ping(peer, timeout=idle))
+            except FerroGrpcError as exc:
+                what = f"to send {job.name}#{job.seq}, and it does not answer ({exc.message})"
+                raise self._stuck(job, peer, what) from None

@@ -1,0 +1,433 @@
+"""The lane driver: runs one lane of a ring or chain plan over a transport.
+
+For each lane a rank runs two tasks. The sender streams the plan's send items
+to the right neighbour, each as soon as the receive item it forwards has been
+applied. The receiver reads the left neighbour's stream, checks every header
+against the plan, verifies the checksum, and reduces or copies the payload
+into place. Both sides start with a descriptor message, which the receiver
+compares with its own view of the collective: any difference is a
+ProtocolError naming both ranks and both values.
+
+A lane gets what it needs in a
+:class:`~ferrogrpc.algorithms.context.RankContext`, never the peer: it can
+run on a :class:`~ferrogrpc.transport.streams.MemoryTransport` with nothing
+else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import torch
+
+from ..counter import Counter
+from ..errors import Evidence, FerroGrpcError, PeerError, ProtocolError
+from ..failure.watchdog import Watchdog
+from ..ops import ReduceOp
+from ..transport import integrity, wire
+from ..transport.streams import InStream, OutStream
+from ..transport.wire import bytes_view
+from ..v1 import collective_pb2 as pb
+from .context import RankContext
+from .descriptor import describe_mismatch
+from .jobs import Job
+from .reducers import REDUCERS, Reducer
+from .schedule import COPY, REDUCE, LanePlan
+
+# Forwarded messages a lane may hold ready for its sender (see LaneRunner):
+# at most this many, and at most this many bytes (but one message at least).
+HELD_MESSAGES = 3
+HELD_BYTES = 8 << 20
+
+# How long a failing rank tries to hand its right neighbour the cause in band.
+ABORT_WRITE_S = 0.5
+
+
+class LaneRunner:
+    """Runs one lane of one collective on one rank."""
+
+    def __init__(
+        self,
+        ctx: RankContext,
+        job: Job,
+        lane: int,
+        plan: LanePlan,
+        members: Sequence[int] | None = None,
+    ) -> None:
+        """``members``: the ranks of the ring or chain, in order (default:
+        every rank); ``plan`` is this rank's, at its place among them."""
+        self.ctx = ctx
+        self.job = job
+        self.lane = lane
+        self.plan = plan
+        me = ctx.identity
+        ring = list(members) if members is not None else list(range(me.world_size))
+        self.world = len(ring)
+        place = ring.index(me.rank)
+        self.right = ring[(place + 1) % self.world]
+        self.left = ring[(place - 1) % self.world]
+        self.itemsize = job.buffer.element_size()
+        # Chunks travel as job.wire (a narrower float) when set; every hop
+        # still reduces in the buffer's dtype.
+        self.wire = job.wire
+        self.wire_itemsize = job.wire.itemsize if job.wire is not None else self.itemsize
+        self.received = Counter()
+        # Messages ready to forward, by receive index: a received chunk that is
+        # copied travels on unchanged (its header names where it came from
+        # and carries its verified checksum); a partial sum is reduced
+        # straight into the message that carries it on. That saves the copy
+        # into a new message at send time, but holds the message until the
+        # sender gets to it; so only while the sender keeps up (at most
+        # hold_limit waiting: HELD_MESSAGES, fewer where that would exceed
+        # HELD_BYTES). Beyond that, results go to the tensor and the sender
+        # frames them from there, as for its own data.
+        self.outgoing: dict[int, bytes] = {}
+        largest = max((item.hi - item.lo for item in plan.recvs), default=0) * self.wire_itemsize
+        self.hold_limit = min(HELD_MESSAGES, max(1, HELD_BYTES // max(largest, 1)))
+        # For each receive index that is forwarded, the send item forwarding it.
+        self.forwards = {item.from_recv: item for item in plan.sends if item.from_recv >= 0}
+        self.in_place = job.out is None
+        # With a wire dtype: received values widened, and values rounded.
+        self._wide = wire.Scratch(job.buffer.dtype)
+        self._narrow = wire.Scratch(job.wire or job.buffer.dtype)
+        # The outgoing stream, until it has been closed cleanly.
+        self.out: OutStream | None = None
+        self.watch = Watchdog(me, ctx.transport, ctx.timeouts.idle, job.name, job.seq)
+
+    def _error(self, cls: type[FerroGrpcError], message: str, peer: int | None) -> FerroGrpcError:
+        return self.ctx.identity.error(cls, message, op=self.job.name, seq=self.job.seq, peer=peer)
+
+    def _cause(self, exc: BaseException) -> FerroGrpcError:
+        return self.ctx.failure.cause(exc, self.job.name, self.job.seq, self.watch.first_failure)
+
+    async def run(self) -> None:
+        try:
+            await self.watch.guard(self._send(), self._receive())
+        except BaseException as exc:
+            await self._abort_downstream(exc)
+            raise
+
+    async def _abort_downstream(self, exc: BaseException) -> None:
+        """Tell the right neighbour why, in band, before the stream ends: so it
+        reports the root cause instead of "the stream ended"."""
+        stream, self.out = self.out, None
+        if stream is None:
+            return
+        header = self._header()
+        header.abort.CopyFrom(self.ctx.failure.abort_message(self._cause(exc)))
+        try:
+            async with asyncio.timeout(ABORT_WRITE_S):
+                await stream.write(wire.encode(header))
+                await stream.close()
+        except (Exception, asyncio.CancelledError):
+            # Best effort. A CancelledError here is the TaskGroup's own request
+            # to stop this task, still pending from the failure being handled;
+            # the caller re-raises that failure (or the cancellation) next.
+            pass
+        finally:
+            stream.cancel()
+
+    # ------------------------------------------------------------- sending
+
+    def _header(self) -> pb.ChunkHeader:
+        return pb.ChunkHeader(
+            group=self.ctx.group,
+            seq=self.job.seq,
+            kind=self.job.kind,  # type: ignore[arg-type]
+            src_rank=self.ctx.identity.rank,
+            lane=self.lane,
+        )
+
+    async def _write(self, stream: OutStream, message: bytes, step: int) -> None:
+        await self.watch.wait(
+            "send", self.right, f"step {step} to be accepted by", stream.write(message)
+        )
+
+    async def _send(self) -> None:
+        ctx = self.ctx
+        stream = await ctx.transport.open(self.right, self.lane)
+        self.out = stream
+        header = self._header()
+        header.descriptor.CopyFrom(self.job.descriptor)
+        header.nonce = ctx.nonce
+        await self._write(stream, wire.encode(header), 0)
+        header.ClearField("nonce")
+        header.ClearField("descriptor")
+        flat = self.job.buffer
+        checksum = ctx.checksum
+        stage = self.job.stage
+        stats = ctx.stats
+        for item in self.plan.sends:
+            if item.after > self.received.value:
+                await self.received.wait_for(item.after)
+            message = self.outgoing.pop(item.from_recv, None)
+            if message is None:
+                # Read from this rank's own data (or a finished segment).
+                if stage is not None:
+                    await stage.ready(item.lo, item.hi)
+                data = flat[item.lo : item.hi]
+                header.step = item.step
+                header.chunk_index = item.chunk
+                header.offset = item.lo
+                if self.wire is not None:
+                    # An all-gather's own block: as every other rank gets it.
+                    message = self._narrowed_message(header, data, self.job.kind == pb.ALL_GATHER)
+                else:
+                    payload = bytes_view(data)
+                    if checksum is not None:
+                        header.checksum = checksum(payload)
+                        header.has_checksum = True
+                    message = wire.encode(header, payload)
+            await self._write(stream, message, item.step)
+            stats.bytes_sent += (item.hi - item.lo) * self.wire_itemsize
+        # End the stream only once everything this rank receives has arrived
+        # and passed its checks: the right neighbour's collective then cannot
+        # finish before this rank's has all its data. (For a broadcast this
+        # is what makes the root's call return only when the last rank has
+        # the data.)
+        if self.received.value < len(self.plan.recvs):
+            await self.received.wait_for(len(self.plan.recvs))
+        await self.watch.wait(
+            "send", self.right, "the end of the stream to be read by", stream.close()
+        )
+        self.out = None
+
+    def _narrowed_message(self, header: pb.ChunkHeader, data: torch.Tensor, round_: bool) -> bytes:
+        """The message carrying ``data`` (in the buffer's dtype) in the wire
+        dtype: converted straight into the message, with no converted copy
+        in between; with ``round_``, ``data`` is rounded to it too."""
+        assert self.wire is not None
+        frame = self._frame(header, data.numel())
+        narrow = frame.payload(self.wire)
+        narrow.copy_(data)
+        if round_:
+            data.copy_(narrow)
+        return self._seal(header, frame)
+
+    def _wide_or(self, incoming: torch.Tensor) -> torch.Tensor:
+        """Received values to reduce: wire-dtype ones widened first, in one
+        conversion pass (torch's CPU kernels reduce a float32 with a
+        bfloat16 operand six times slower than two float32s)."""
+        return incoming if self.wire is None else self._wide.filled(incoming)
+
+    # ----------------------------------------------------------- receiving
+
+    async def _read(self, stream: InStream, what: str) -> bytes | None:
+        return await self.watch.wait("recv", self.left, f"{what} from", stream.read())
+
+    async def _receive(self) -> None:
+        ctx = self.ctx
+        job = self.job
+        key = (ctx.group, job.seq, self.lane, self.left)
+        mailbox = ctx.mailboxes.get(key)
+        try:
+            # A late neighbour (rank-local work before the collective) is
+            # waited for as long as it answers pings.
+            header, stream = await self.watch.wait(
+                "recv",
+                self.left,
+                f"{job.name}#{job.seq} to start at",
+                asyncio.shield(mailbox.arrived),
+            )
+            mismatch = describe_mismatch(
+                job.descriptor, header.descriptor, ctx.identity.rank, self.left
+            )
+            if mismatch:
+                raise self._error(ProtocolError, mismatch, self.left)
+            if isinstance(stream, memoryview):
+                raise self._error(
+                    ProtocolError,
+                    f"rank {self.left} sent {job.name}#{job.seq} as a small collective, this "
+                    "rank runs it as a ring",
+                    self.left,
+                )
+            await self._consume(stream)
+        except BaseException as exc:
+            if not mailbox.done.done():
+                # Fail the left neighbour's stream with the real cause.
+                mailbox.done.set_exception(self._cause(exc))
+                mailbox.done.exception()  # mark retrieved
+            raise
+        else:
+            if not mailbox.done.done():
+                mailbox.done.set_result(None)
+        finally:
+            ctx.mailboxes.drop(key)
+
+    def _reduced_message(self, index: int, incoming: torch.Tensor | None, reduce: Reducer) -> bytes:
+        """The message forwarding receive item ``index``: this rank's range
+        reduced with ``incoming``, written in place into the message."""
+        send = self.forwards[index]
+        header = self._forward_header(index)
+        frame = self._frame(header, send.hi - send.lo)
+        local = self.job.buffer[send.lo : send.hi]
+        if incoming is not None:
+            if self.wire is None:
+                reduce(local, incoming, frame.payload(local.dtype))
+            else:
+                # Reduced in the buffer's dtype, rounded once for the wire.
+                partial = self._wide_or(incoming)
+                reduce(local, partial, partial)
+                frame.payload(self.wire).copy_(partial)
+        return self._seal(header, frame)
+
+    def _forward_header(self, index: int) -> pb.ChunkHeader:
+        """The header of the message that forwards receive item ``index``."""
+        send = self.forwards[index]
+        header = self._header()
+        header.step = send.step
+        header.chunk_index = send.chunk
+        header.offset = send.lo
+        return header
+
+    def _frame(self, header: pb.ChunkHeader, numel: int) -> wire.Frame:
+        """A frame for ``numel`` elements in the wire dtype under ``header``
+        (with room for its checksum, which :meth:`_seal` sets)."""
+        if self.ctx.checksum is not None:
+            header.has_checksum = True
+            header.checksum = 0xFFFFFFFF  # the longest encoding, for the bound
+        return wire.Frame(header, numel * self.wire_itemsize)
+
+    def _seal(self, header: pb.ChunkHeader, frame: wire.Frame) -> bytes:
+        checksum = self.ctx.checksum
+        if checksum is not None:
+            header.checksum = checksum(frame.view())
+        return frame.seal(header)
+
+    def _round(self, target: torch.Tensor, index: int, hold: bool) -> None:
+        """Round a finished segment to the wire dtype, as every other rank
+        receives it. When the segment is forwarded next, it is rounded
+        straight into the message that forwards it (no conversion again at
+        send time); else through a scratch buffer."""
+        if hold:
+            self.outgoing[index] = self._narrowed_message(self._forward_header(index), target, True)
+        else:
+            target.copy_(self._narrow.filled(target))
+
+    def _check_header(self, header: pb.ChunkHeader, payload: memoryview, index: int) -> None:
+        item = self.plan.recvs[index]
+        job = self.job
+        nbytes = (item.hi - item.lo) * self.wire_itemsize
+        # The stream is the left neighbour's (checked on its first message),
+        # and chunks arrive in plan order; step and src_rank name the rank
+        # that produced a forwarded chunk, not the hop.
+        if (
+            header.seq != job.seq
+            or header.chunk_index != item.chunk
+            or header.offset != item.lo
+            or header.lane != self.lane
+            or payload.nbytes != nbytes
+        ):
+            raise self._error(
+                ProtocolError,
+                f"rank {self.left} sent chunk (seq={header.seq} chunk={header.chunk_index} "
+                f"offset={header.offset} lane={header.lane} bytes={payload.nbytes}, made by "
+                f"rank {header.src_rank} at step {header.step}), expected (seq={job.seq} "
+                f"chunk={item.chunk} offset={item.lo} lane={self.lane} bytes={nbytes}) "
+                f"at step {item.step}",
+                self.left,
+            )
+        checksum = self.ctx.checksum
+        if checksum is not None and (
+            not header.has_checksum or checksum(payload) != header.checksum
+        ):
+            raise self._error(
+                ProtocolError,
+                f"chunk {item.chunk} of step {item.step} from rank {self.left} "
+                f"({self.ctx.identity.address_of(self.left)}) failed its "
+                f"{integrity.checksum_name(checksum)} check: corrupted in flight; it was discarded",
+                self.left,
+            )
+
+    def _ended_early(self, index: int) -> FerroGrpcError:
+        return self.ctx.identity.error(
+            PeerError,
+            f"rank {self.left} ({self.ctx.identity.address_of(self.left)}) ended its stream "
+            f"after {index} of {len(self.plan.recvs)} chunks; it failed or exited",
+            op=self.job.name,
+            seq=self.job.seq,
+            peer=self.left,
+            # If it is alive and failed for a reason, its report may follow.
+            evidence=Evidence.SYMPTOM,
+        )
+
+    def _decode(self, message: bytes) -> tuple[pb.ChunkHeader, memoryview]:
+        try:
+            header, payload = wire.decode(message)
+        except ProtocolError as exc:
+            raise self._error(
+                ProtocolError, f"from rank {self.left}: {exc.message}", self.left
+            ) from exc
+        if header.HasField("abort"):
+            raise self.ctx.failure.from_report(header.abort)
+        return header, payload
+
+    async def _consume(self, stream: InStream) -> None:
+        ctx = self.ctx
+        job = self.job
+        flat = job.buffer
+        dtype = flat.dtype
+        wire_dtype = self.wire if self.wire is not None else dtype
+        reduce = REDUCERS[job.op]
+        mean = job.op is ReduceOp.MEAN
+        stage = job.stage
+        stats = ctx.stats
+        for index, item in enumerate(self.plan.recvs):
+            message = await self._read(stream, f"chunk {item.chunk} of step {item.step}")
+            if message is None:
+                raise self._ended_early(index)
+            header, payload = self._decode(message)
+            self._check_header(header, payload, index)
+            nbytes = payload.nbytes
+            if stage is not None:
+                await stage.ready(item.lo, item.hi)
+            # In the wire dtype, if any: a copy below converts it as it goes;
+            # a reduction widens it first (_wide_or).
+            incoming = torch.frombuffer(payload, dtype=wire_dtype) if nbytes else None
+            # No backpressure from our own sender here: waiting for it while
+            # it waits for the right neighbour's receiver would close a cycle
+            # around the ring.
+            hold = index in self.forwards and len(self.outgoing) < self.hold_limit
+            if item.action == COPY:
+                if incoming is not None:
+                    flat[item.lo : item.hi].copy_(incoming)
+                if hold:
+                    self.outgoing[index] = message
+            elif item.action == REDUCE and (hold or not self.in_place):
+                # A partial sum is only ever forwarded. Out of place there is
+                # nowhere else to keep it, so it is held whatever hold_limit
+                # says: usually one segment (1/world of the tensor), at worst
+                # the world - 2 segments still to forward, if the right
+                # neighbour stalls while the left keeps sending.
+                self.outgoing[index] = self._reduced_message(index, incoming, reduce)
+            elif item.action == REDUCE:
+                if incoming is not None:
+                    target = flat[item.lo : item.hi]
+                    reduce(target, self._wide_or(incoming), target)
+            elif incoming is not None:  # REDUCE_LAST: the finished segment
+                if self.in_place:
+                    target = flat[item.lo : item.hi]
+                else:
+                    assert job.out is not None
+                    target = job.out[item.lo - job.out_offset : item.hi - job.out_offset]
+                reduce(flat[item.lo : item.hi], self._wide_or(incoming), target)
+                if mean:
+                    target.div_(self.world)
+                if self.wire is not None and self.in_place:
+                    # Every other rank receives this segment rounded to the
+                    # wire dtype: round it here too, so all hold the same.
+                    self._round(target, index, hold)
+            if stage is not None and item.action != REDUCE:
+                stage.final(item.lo, item.hi)
+            stats.bytes_received += nbytes
+            self.received.advance()
+        tail = await self._read(stream, "the end of the stream")
+        if tail is not None:
+            self._decode(tail)  # an abort in band raises its report
+            raise self._error(
+                ProtocolError,
+                f"rank {self.left} sent more chunks than the schedule allows "
+                f"({len(self.plan.recvs)})",
+                self.left,
+            )

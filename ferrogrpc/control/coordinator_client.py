@@ -1,0 +1,166 @@
+"""The coordinator's clients: :class:`CoordinatorRendezvous`, how a rank
+joins a coordinator (coordinator.py) and heartbeats to it, and
+:func:`fetch_status`, what ``ferrogrpc status`` asks it. Both carry the
+token and mutual TLS of the rank's settings (grpc_auth.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from ..errors import ConfigError, RendezvousError
+from ..options import TLSConfig
+from ..transport.auth import aio_channel, token_metadata
+from ..v1 import rendezvous_pb2 as rpb
+from .rendezvous import RendezvousResult
+
+logger = logging.getLogger("ferrogrpc.coordinator")
+
+SERVICE = "ferrogrpc.v1.Rendezvous"
+
+
+def _stub(channel: grpc.aio.Channel, name: str, request_type: Any, response_type: Any) -> Any:
+    return channel.unary_unary(
+        f"/{SERVICE}/{name}",
+        request_serializer=request_type.SerializeToString,
+        response_deserializer=response_type.FromString,
+    )
+
+
+class CoordinatorRendezvous:
+    """Join a coordinator at ``host:port``; the coordinator assigns the rank
+    (unless one is requested) and the world size. After joining, the peer
+    heartbeats every ``heartbeat_s`` seconds with its current collective.
+    ``token`` and ``tls`` are the coordinator's (the ranks' own settings,
+    ``FERROGRPC_TOKEN`` and ``FERROGRPC_TLS_*``). Its identity across retries
+    of Join is a random id it never shows anyone but the coordinator."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = 120.0,
+        heartbeat_s: float = 2.0,
+        token: str | None = None,
+        tls: TLSConfig | None = None,
+    ) -> None:
+        if ":" not in target:
+            raise ConfigError(f"coordinator address {target!r} must be host:port")
+        self.target = target
+        self.timeout = timeout
+        self.heartbeat_s = heartbeat_s
+        self.tls = tls
+        self._metadata = token_metadata(token)
+        self.peer_id = secrets.token_hex(16)
+        self.rank = -1
+        self.run_id = ""
+        self._channel: grpc.aio.Channel | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def exchange(
+        self, rank: int | None, world_size: int | None, address: str, nonce: str, host: str = ""
+    ) -> RendezvousResult:
+        channel = aio_channel(self.target, self.tls)
+        self._channel = channel
+        join = _stub(channel, "Join", rpb.JoinRequest, rpb.JoinResponse)
+        request = rpb.JoinRequest(
+            address=address,
+            requested_rank=-1 if rank is None else rank,
+            peer_id=self.peer_id,
+            nonce=nonce,
+            host=host,
+        )
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                response = await join(
+                    request,
+                    timeout=max(1.0, deadline - time.monotonic()),
+                    wait_for_ready=True,
+                    metadata=self._metadata,
+                )
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline:
+                    await asyncio.sleep(0.5)
+                    continue
+                await channel.close(None)
+                raise RendezvousError(
+                    f"joining the coordinator at {self.target} failed: "
+                    f"{exc.code().name} {exc.details()}"
+                ) from exc
+        if world_size is not None and world_size != response.world_size:
+            await channel.close(None)
+            raise ConfigError(
+                f"WORLD_SIZE={world_size} but the coordinator at {self.target} runs "
+                f"world_size={response.world_size}"
+            )
+        self.rank = response.rank
+        self.run_id = response.run_id
+        return RendezvousResult(
+            response.rank,
+            response.world_size,
+            list(response.addresses),
+            list(response.nonces),
+            list(response.hosts),
+        )
+
+    def start_heartbeats(self, current: Callable[[], tuple[str, int]]) -> None:
+        """Report ``current()`` (collective name, seq) every heartbeat period."""
+        if self._channel is None or self._task is not None:
+            return
+        beat = _stub(self._channel, "Heartbeat", rpb.HeartbeatRequest, rpb.HeartbeatResponse)
+
+        async def loop() -> None:
+            while True:
+                collective, seq = current()
+                try:
+                    await beat(
+                        rpb.HeartbeatRequest(
+                            rank=self.rank, run_id=self.run_id, collective=collective, seq=seq
+                        ),
+                        timeout=self.heartbeat_s,
+                        metadata=self._metadata,
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    logger.debug("heartbeat to %s failed: %s", self.target, exc.code().name)
+                await asyncio.sleep(self.heartbeat_s)
+
+        self._task = asyncio.ensure_future(loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            await channel.close(None)
+
+
+async def fetch_status(
+    target: str,
+    timeout: float = 5.0,
+    *,
+    token: str | None = None,
+    tls: TLSConfig | None = None,
+) -> rpb.StatusResponse:
+    """One Status call to the coordinator at ``target``, with its ``token``
+    and ``tls``."""
+    async with aio_channel(target, tls) as channel:
+        status = _stub(channel, "Status", rpb.StatusRequest, rpb.StatusResponse)
+        try:
+            response: rpb.StatusResponse = await status(
+                rpb.StatusRequest(), timeout=timeout, metadata=token_metadata(token)
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise RendezvousError(
+                f"coordinator at {target}: {exc.code().name} {exc.details()}"
+            ) from exc
+        return response

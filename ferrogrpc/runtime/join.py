@@ -1,0 +1,185 @@
+"""Bootstrap: from settings to the connected parts of one rank.
+
+:func:`join` binds the transport (whose stream intake holds early arrivals
+until the rank knows who it is), opens this rank's shared segment, joins the
+rendezvous with its address, nonce and host key, and then builds what the
+rank needs: its identity, the job table, the failure policy, the same-host
+plane connected to the host's other ranks, and the lane context. The peer is
+built from these parts (peer.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+
+from ..algorithms.context import RankContext
+from ..algorithms.exchange_plan import SMALL_BYTES
+from ..algorithms.jobs import JobTable
+from ..algorithms.mailboxes import Mailboxes
+from ..control.rendezvous import Rendezvous, RendezvousResult, StoreRendezvous
+from ..errors import Identity
+from ..failure.policy import FailurePolicy
+from ..lifecycle import Lifecycle
+from ..options import ChunkPolicy
+from ..samehost.plane import LocalPlane, host_key
+from ..samehost.topology import Topology
+from ..transport.grpc_streams import HEADER_ROOM, GrpcTransport
+from ..transport.streams import Transport
+from .allocator import tune_allocator
+from .intake import Intake, Session, credential
+from .settings import Settings
+
+
+def message_limit(policy: ChunkPolicy) -> int:
+    """The longest message a peer with ``policy`` sends or accepts over gRPC:
+    its largest chunk (the policy resolves the chunk size by world size,
+    which may not be known yet: the larger of both) or a small collective's
+    message, plus a header. A longer one is refused by gRPC from its length
+    prefix, before it is buffered."""
+    largest = max(policy.resolve(2)[0], policy.resolve(3)[0], SMALL_BYTES)
+    return largest + HEADER_ROOM
+
+
+@dataclasses.dataclass
+class Parts:
+    """One rank's connected parts, ready to build a peer from."""
+
+    ctx: RankContext
+    jobs: JobTable
+    # The peer's lifecycle: JOINING until open() (see [Note: peer lifecycle]).
+    life: Lifecycle
+    rendezvous: Rendezvous
+    address: str
+    topology: Topology
+    plane: LocalPlane | None
+    intake: Intake
+    result: RendezvousResult
+    linger: float
+    # Every rank's credential, by rank (intake.credential).
+    credentials: list[str]
+
+    def open(self) -> None:
+        """JOINING -> OPEN: let incoming streams through, now that the rank
+        knows who everyone is."""
+        me = self.ctx.identity
+        self.life.open(me)
+        self.intake.open(
+            Session(
+                me.rank,
+                me.world_size,
+                self.credentials,
+                self.jobs,
+                self.ctx.failure,
+                linger=self.linger,
+                senders=self.topology.senders_to(me.rank),
+            )
+        )
+        self.ctx.transport.connect(self.result.addresses)
+
+    async def close(self) -> None:
+        """Release the parts (CLOSING -> CLOSED; a start that failed closes
+        them from JOINING)."""
+        self.life.begin_close()
+        if self.plane is not None:
+            await self.plane.close()
+        await self.ctx.transport.close()
+        await self.rendezvous.close()
+        self.life.end_close()
+
+
+async def join(
+    s: Settings,
+    rank: int | None,
+    world_size: int | None,
+    rendezvous: Rendezvous | None,
+    transport: Transport | None,
+    bind_host: str,
+    port: int,
+    advertise_host: str | None,
+) -> Parts:
+    """Bind, join the rendezvous and connect the host's shared memory.
+    Releases whatever it bound if anything fails (cancellation included)."""
+    tune_allocator(s.malloc_tuning is not False, cap_arenas=not s.user_arena_max)
+    if transport is None:
+        transport = GrpcTransport(
+            f"{bind_host}:{port}",
+            advertise_host,
+            max_message_bytes=message_limit(s.chunk_policy),
+            tls=s.tls,
+            token=s.token,
+        )
+    if rendezvous is None:
+        r, w, addr, mport = s.merged(rank=rank, world_size=world_size).require_rendezvous()
+        rendezvous = StoreRendezvous(
+            r,
+            w,
+            addr,
+            mport,
+            s.timeouts.connect,
+            agent_store=s.agent_store,
+            attempt=s.restart_count,
+        )
+    life = Lifecycle()
+    mailboxes = Mailboxes()
+    intake = Intake(mailboxes)
+    nonce = secrets.token_hex(16)
+    plane = LocalPlane(nonce) if s.shm else None
+    try:
+        address = await transport.start(intake)
+        result = await rendezvous.exchange(
+            rank, world_size, address, nonce, host_key(plane is not None)
+        )
+        me = Identity(result.rank, result.world_size, list(result.addresses))
+        # What proves a rank from here on: derived from the token, so that the
+        # nonces the rendezvous published are not enough.
+        credentials = [credential(s.token, n) for n in result.nonces]
+        mine = credential(s.token, nonce)
+        hosts = result.hosts if len(result.hosts) == me.world_size else []
+        topology = Topology.from_keys(hosts or [""] * me.world_size)
+        jobs = JobTable(me.world_size)
+        failure = FailurePolicy(
+            me,
+            transport,
+            nonce=mine,
+            life=life,
+            on_break=jobs.cancel_all,
+            name_of=jobs.name_of,
+            refusal_of=jobs.refused,
+            on_refusal=jobs.note_refusal,
+        )
+        if plane is not None:
+            local = topology.local(me.rank)
+            if len(local) > 1:
+                await plane.connect(
+                    me,
+                    local,
+                    result.nonces,
+                    s.timeouts.connect,
+                    failure.from_report,
+                    proofs=credentials,
+                    proof=mine,
+                )
+            else:
+                await plane.close()
+                plane = None
+    except BaseException:
+        if plane is not None:
+            await plane.close()
+        await transport.close()
+        await rendezvous.close()
+        raise
+    ctx = RankContext(me, transport, mailboxes, failure, s.timeouts, s.checksum, nonce=mine)
+    return Parts(
+        ctx,
+        jobs,
+        life,
+        rendezvous,
+        address,
+        topology,
+        plane,
+        intake,
+        result,
+        s.timeouts.collective,
+        credentials,
+    )

@@ -1,0 +1,211 @@
+"""Settings: every environment variable ferrogrpc reads, read here and only here.
+
+:meth:`Settings.from_env` reads the process environment once;
+:meth:`Settings.merged` lays explicit arguments over it. ``init_backend`` and
+``Peer.start`` both go through it, so an option left unset has the same
+default whichever entry point a user takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any, Final
+
+from ..errors import ConfigError
+from ..options import ChunkPolicy, Timeouts, TLSConfig
+from ..transport.integrity import Checksum, checksum_by_name, default_checksum
+
+# torch's env:// variables, read when init_backend's arguments are left None.
+RANK_ENV: Final = "RANK"
+WORLD_SIZE_ENV: Final = "WORLD_SIZE"
+MASTER_ADDR_ENV: Final = "MASTER_ADDR"
+MASTER_PORT_ENV: Final = "MASTER_PORT"
+# Set by torchrun's agent, which then already serves the TCPStore.
+AGENT_STORE_ENV: Final = "TORCHELASTIC_USE_AGENT_STORE"
+RESTART_COUNT_ENV: Final = "TORCHELASTIC_RESTART_COUNT"
+
+# ferrogrpc's own variables.
+COORDINATOR_ENV: Final = "FERROGRPC_COORDINATOR"
+BIND_HOST_ENV: Final = "FERROGRPC_BIND_HOST"
+ADVERTISE_HOST_ENV: Final = "FERROGRPC_ADVERTISE_HOST"
+PORT_ENV: Final = "FERROGRPC_PORT"
+TIMEOUT_ENV: Final = "FERROGRPC_TIMEOUT"
+IDLE_TIMEOUT_ENV: Final = "FERROGRPC_IDLE_TIMEOUT"
+CONNECT_TIMEOUT_ENV: Final = "FERROGRPC_CONNECT_TIMEOUT"
+CHUNK_BYTES_ENV: Final = "FERROGRPC_CHUNK_BYTES"
+LANES_ENV: Final = "FERROGRPC_LANES"
+TOKEN_ENV: Final = "FERROGRPC_TOKEN"
+CHECKSUM_ENV: Final = "FERROGRPC_CHECKSUM"
+TLS_CERT_ENV: Final = "FERROGRPC_TLS_CERT"
+TLS_KEY_ENV: Final = "FERROGRPC_TLS_KEY"
+TLS_CA_ENV: Final = "FERROGRPC_TLS_CA"
+TLS_SERVER_NAME_ENV: Final = "FERROGRPC_TLS_SERVER_NAME"
+REDUCE_THREADS_ENV: Final = "FERROGRPC_REDUCE_THREADS"
+MALLOC_TUNING_ENV: Final = "FERROGRPC_MALLOC_TUNING"
+SHM_ENV: Final = "FERROGRPC_SHM"
+# The coordinator's: the most ranks an elastic round takes.
+MAX_RANKS_ENV: Final = "FERROGRPC_MAX_RANKS"
+# glibc's own: a user who set these capped the arenas themselves.
+GLIBC_ARENA_ENV: Final = "MALLOC_ARENA_MAX"
+GLIBC_TUNABLES_ENV: Final = "GLIBC_TUNABLES"
+
+_OFF = ("0", "false", "no", "off")
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
+
+
+def _int(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in _OFF:
+        return False
+    raise ConfigError(f"{name}={env.get(name)!r}: use 1 or 0")
+
+
+def _tls(env: Mapping[str, str]) -> TLSConfig | None:
+    paths = [env.get(n) for n in (TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV)]
+    if not any(paths):
+        return None
+    if not all(paths):
+        raise ConfigError(f"mutual TLS needs all of {TLS_CERT_ENV}, {TLS_KEY_ENV} and {TLS_CA_ENV}")
+    cert, key, ca = (str(p) for p in paths)
+    return TLSConfig.from_files(cert, key, ca, env.get(TLS_SERVER_NAME_ENV) or None)
+
+
+def resolve_checksum(
+    choice: Checksum | bool | str | None, default: Checksum | None
+) -> Checksum | None:
+    """A ``checksum`` argument: True/False, a name (see integrity.py), a
+    function of the payload bytes, or None for ``default``."""
+    if choice is None:
+        return default
+    if choice is True:
+        return default_checksum()
+    if choice is False:
+        return None
+    if isinstance(choice, str):
+        return checksum_by_name(choice, "checksum")
+    return choice
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything configurable, with its source resolved: an explicit
+    argument, else the environment, else the default. Rendezvous fields
+    stay None when neither gives them (a coordinator may assign them)."""
+
+    rank: int | None = None
+    world_size: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    agent_store: bool = False
+    restart_count: str = "0"
+    coordinator: str | None = None
+    bind_host: str | None = None
+    advertise_host: str | None = None
+    port: int = 0
+    timeouts: Timeouts = dataclasses.field(default_factory=Timeouts)
+    chunk_policy: ChunkPolicy = dataclasses.field(default_factory=ChunkPolicy)
+    checksum: Checksum | None = dataclasses.field(default_factory=default_checksum)
+    token: str | None = None
+    tls: TLSConfig | None = None
+    reduce_threads: int = 1
+    # None: the entry point's default (on for init_backend, off for the
+    # torch.distributed backend, which runs inside the user's own loop).
+    malloc_tuning: bool | None = None
+    user_arena_max: bool = False
+    shm: bool = True
+    max_ranks: int = 1024
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Read every variable ferrogrpc knows (README, Configuration).
+        Raises ConfigError naming a malformed one."""
+        env = os.environ if env is None else env
+        default = Timeouts()
+        timeouts = Timeouts(
+            collective=_float(env, TIMEOUT_ENV, default.collective),
+            idle=_float(env, IDLE_TIMEOUT_ENV, default.idle),
+            connect=_float(env, CONNECT_TIMEOUT_ENV, default.connect),
+        )
+        policy = ChunkPolicy(chunk_bytes=_int(env, CHUNK_BYTES_ENV), max_lanes=_int(env, LANES_ENV))
+        max_ranks = _int(env, MAX_RANKS_ENV)
+        if max_ranks is not None and max_ranks < 1:
+            raise ConfigError(f"{MAX_RANKS_ENV}={max_ranks} must be 1 or more")
+        threads = _int(env, REDUCE_THREADS_ENV)
+        if threads is not None and threads < 0:
+            raise ConfigError(f"{REDUCE_THREADS_ENV}={threads} must be 0 or more")
+        return cls(
+            rank=_int(env, RANK_ENV),
+            world_size=_int(env, WORLD_SIZE_ENV),
+            master_addr=env.get(MASTER_ADDR_ENV) or None,
+            master_port=_int(env, MASTER_PORT_ENV),
+            agent_store=env.get(AGENT_STORE_ENV, "").lower() in ("1", "true", "yes"),
+            restart_count=env.get(RESTART_COUNT_ENV, "0") or "0",
+            coordinator=env.get(COORDINATOR_ENV) or None,
+            bind_host=env.get(BIND_HOST_ENV) or None,
+            advertise_host=env.get(ADVERTISE_HOST_ENV) or None,
+            port=_int(env, PORT_ENV) or 0,
+            timeouts=timeouts,
+            chunk_policy=policy,
+            checksum=checksum_by_name(env.get(CHECKSUM_ENV) or "crc32", CHECKSUM_ENV),
+            token=env.get(TOKEN_ENV) or None,
+            tls=_tls(env),
+            reduce_threads=1 if threads is None else threads,
+            malloc_tuning=(
+                None
+                if not env.get(MALLOC_TUNING_ENV)
+                else env.get(MALLOC_TUNING_ENV, "").lower() not in _OFF
+            ),
+            shm=_switch(env, SHM_ENV, True),
+            max_ranks=1024 if max_ranks is None else max_ranks,
+            user_arena_max=GLIBC_ARENA_ENV in env or "arena_max" in env.get(GLIBC_TUNABLES_ENV, ""),
+        )
+
+    def merged(self, **given: Any) -> Settings:
+        """These settings with every argument in ``given`` that is not None
+        laid over them. ``checksum`` may be True/False, a name or a function."""
+        unknown = set(given) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"unknown settings: {sorted(unknown)}")
+        changes = {k: v for k, v in given.items() if v is not None and k != "checksum"}
+        # The checksum may be set to None (off) explicitly: resolve it apart.
+        changes["checksum"] = resolve_checksum(given.get("checksum"), self.checksum)
+        return dataclasses.replace(self, **changes)
+
+    def require_rendezvous(self) -> tuple[int, int, str, int]:
+        """(rank, world_size, master_addr, master_port) for the env://
+        rendezvous; ConfigError naming the first one missing."""
+        values = (
+            (RANK_ENV, self.rank),
+            (WORLD_SIZE_ENV, self.world_size),
+            (MASTER_ADDR_ENV, self.master_addr),
+            (MASTER_PORT_ENV, self.master_port),
+        )
+        for name, value in values:
+            if value is None:
+                raise ConfigError(f"{name} is not set and was not passed")
+        return self.rank, self.world_size, self.master_addr, self.master_port  # type: ignore[return-value]

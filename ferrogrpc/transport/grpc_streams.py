@@ -1,0 +1,373 @@
+"""The gRPC transport: chunks over grpc.aio, and the one place where grpc
+errors become ferrogrpc errors (:func:`translate`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, cast
+
+import grpc
+import grpc.aio
+
+from ..errors import ERROR_CLASSES, ConfigError, Evidence, FerroGrpcError, PeerError, ProtocolError
+from ..options import TLSConfig
+from .auth import TOKEN_METADATA_KEY as TOKEN_METADATA_KEY  # clients' name for it
+from .auth import add_port, aio_channel, aio_server, interceptors, token_metadata
+from .streams import OutStream, SendHook, StreamHandler, Transport
+
+SERVICE = "ferrogrpc.v1.Collective"
+SEND_METHOD = f"/{SERVICE}/Send"
+ABORT_METHOD = f"/{SERVICE}/Abort"
+PING_METHOD = f"/{SERVICE}/Ping"
+
+# How long a ping waits for the peer's kernel to accept a TCP connection.
+# The kernel completes the handshake even while the peer's process is busy or
+# stopped, within a round trip; a refusal means the process is gone, and no
+# answer that the host is (a killed container's address swallows connection
+# attempts instead of refusing them, for as long as gRPC's own 20 s connect
+# deadline).
+TCP_CONNECT_S = 0.5
+
+ERROR_KEY = "ferrogrpc-error"
+CULPRIT_KEY = "ferrogrpc-culprit"
+# Present, as "refused", when the error is another rank's refusal of the
+# collective (errors.Evidence.REFUSED).
+EVIDENCE_KEY = "ferrogrpc-evidence"
+
+# Room for a chunk's header (an in-band abort's message included) on top of
+# its payload, in the receive limit.
+HEADER_ROOM = 64 << 10
+# The receive limit when none is given: the default chunk policy's largest
+# chunk (4 MiB, beyond world size 2) plus its header. Peers pass the limit
+# of their own policy (bootstrap.message_limit).
+DEFAULT_MAX_MESSAGE = (4 << 20) + HEADER_ROOM
+
+
+def translate(exc: BaseException, dst: int, address: str, what: str) -> FerroGrpcError:
+    """Translate a failed RPC into the error a user sees."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        code = exc.code()
+        details = exc.details() or ""
+        trailing: dict[str, str] = {}
+        pairs = cast(Sequence[tuple[str, Any]], exc.trailing_metadata() or ())
+        for key, value in pairs:
+            trailing[str(key)] = str(value)
+        reported = ERROR_CLASSES.get(trailing.get(ERROR_KEY, ""))
+        if reported is not None and trailing.get(EVIDENCE_KEY) == Evidence.REFUSED.value:
+            # Some rank refused the collective; ``details`` names it.
+            culprit = int(trailing.get(CULPRIT_KEY, -1))
+            return reported(
+                details, peer=culprit if culprit >= 0 else None, evidence=Evidence.REFUSED
+            )
+        if reported is not None:
+            # The receiver failed the stream on purpose and said why.
+            culprit = int(trailing.get(CULPRIT_KEY, dst))
+            return reported(
+                f"rank {dst} reported: {details}",
+                peer=culprit if culprit >= 0 else None,
+                peer_address=address if culprit == dst else None,
+                evidence=Evidence.RELAYED,
+            )
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return ProtocolError(details, peer=dst, peer_address=address)
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return PeerError(
+                f"{what}: rank {dst} refused our credentials: {details}",
+                peer=dst,
+                peer_address=address,
+            )
+        if code == grpc.StatusCode.ABORTED:
+            return PeerError(details, peer=dst, peer_address=address)
+        evidence = Evidence.FOUND
+        if code == grpc.StatusCode.UNAVAILABLE:
+            evidence = Evidence.UNREACHABLE
+        elif code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED):
+            # grpc reports a write that raced with the receiver failing the
+            # stream as a local INTERNAL error, and hides the receiver's
+            # status; the receiver's abort message is then the better account
+            # of the cause.
+            evidence = Evidence.SYMPTOM
+        return PeerError(
+            f"{what}: rank {dst} at {address} failed ({code.name}: {details})",
+            peer=dst,
+            peer_address=address,
+            evidence=evidence,
+        )
+    return PeerError(f"{what}: rank {dst} at {address}: {exc!r}", peer=dst, peer_address=address)
+
+
+async def _serve_ping(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+    return b""
+
+
+async def _abort_with(context: grpc.aio.ServicerContext[Any, Any], exc: FerroGrpcError) -> None:
+    """Fail an RPC with ``exc``: its class and culprit travel as trailing
+    metadata, so the sender raises the same kind of error about the same rank."""
+    code = (
+        grpc.StatusCode.INVALID_ARGUMENT
+        if isinstance(exc, ProtocolError)
+        else grpc.StatusCode.ABORTED
+    )
+    metadata = [
+        (ERROR_KEY, type(exc).__name__),
+        (CULPRIT_KEY, str(exc.peer if exc.peer is not None else -1)),
+    ]
+    details = str(exc)
+    if exc.evidence is Evidence.REFUSED:
+        metadata.append((EVIDENCE_KEY, Evidence.REFUSED.value))
+        details = exc.message
+    context.set_trailing_metadata(tuple(metadata))
+    await context.abort(code, details)
+
+
+def _detached(exc: FerroGrpcError) -> FerroGrpcError:
+    """``exc`` as a new error with the same class, text, culprit and
+    evidence, but no traceback, cause or context (nothing that references
+    the frames it was raised through)."""
+    message = exc.message if exc.evidence is Evidence.REFUSED else str(exc)
+    return type(exc)(message, peer=exc.peer, evidence=exc.evidence)
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+class _GrpcOutStream:
+    def __init__(self, call: Any, dst: int, address: str, hook: SendHook | None) -> None:
+        # Keep the call referenced: a collected call is cancelled.
+        self._call = call
+        self._dst = dst
+        self._address = address
+        self._hook = hook
+
+    async def write(self, message: bytes) -> None:
+        if self._hook is not None:
+            message = self._hook(self._dst, message)
+        try:
+            await self._call.write(message)
+        except Exception as exc:
+            raise await self._failure(exc) from exc
+
+    async def close(self) -> None:
+        try:
+            await self._call.done_writing()
+            await self._call
+        except Exception as exc:
+            raise await self._failure(exc) from exc
+
+    async def _failure(self, exc: BaseException) -> FerroGrpcError:
+        # A failed write only says "the stream is gone"; the status says why.
+        cause: BaseException = exc
+        try:
+            await asyncio.wait_for(self._call, timeout=1.0)
+        except grpc.aio.AioRpcError as status:
+            cause = status
+        except Exception:
+            pass
+        return translate(cause, self._dst, self._address, "sending")
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class _GrpcInStream:
+    def __init__(self, iterator: AsyncIterator[bytes]) -> None:
+        self._iterator = iterator
+
+    async def read(self) -> bytes | None:
+        try:
+            return await self._iterator.__anext__()
+        except StopAsyncIteration:
+            return None
+
+
+class GrpcTransport(Transport):
+    """Chunks over grpc.aio: a client-streaming ``Send`` RPC per (collective,
+    lane), on one channel (one TCP connection) per lane, with raw-bytes
+    (de)serializers so the bulk path builds no protobuf objects.
+
+    ``tls`` turns on mutual TLS (both sides present certificates signed by
+    the given root); ``token`` makes the server refuse any RPC without it and
+    the client send it on every RPC. ``max_message_bytes`` caps every message
+    in and out: gRPC refuses a longer one from its length prefix, before
+    buffering it, so set it to the largest legitimate message (one chunk
+    plus its header; see bootstrap.message_limit), not more.
+    ``send_hook(dst, message)`` may rewrite outgoing messages (fault
+    injection in tests)."""
+
+    def __init__(
+        self,
+        bind: str = "127.0.0.1:0",
+        advertise_host: str | None = None,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE,
+        tls: TLSConfig | None = None,
+        token: str | None = None,
+        send_hook: SendHook | None = None,
+    ) -> None:
+        self._bind = bind
+        self._advertise_host = advertise_host
+        self._max = max_message_bytes
+        self._tls = tls
+        self._metadata = token_metadata(token)
+        self._interceptors = interceptors(token)
+        self.send_hook = send_hook
+        self._server: grpc.aio.Server | None = None
+        self._channels: dict[tuple[int, int], grpc.aio.Channel] = {}
+        self._handler: StreamHandler | None = None
+        self.addresses = []
+        self.port = 0
+
+    def _options(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.max_receive_message_length", self._max),
+            ("grpc.max_send_message_length", self._max),
+            ("grpc.so_reuseport", 0),
+        ]
+
+    async def start(self, handler: StreamHandler) -> str:
+        self._handler = handler
+        server = aio_server(self._options(), self._interceptors)
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    SERVICE,
+                    {
+                        "Send": grpc.stream_unary_rpc_method_handler(self._serve_send),
+                        "Abort": grpc.unary_unary_rpc_method_handler(self._serve_abort),
+                        "Ping": grpc.unary_unary_rpc_method_handler(_serve_ping),
+                    },
+                ),
+            )
+        )
+        try:
+            port = add_port(server, self._bind, self._tls)
+        except RuntimeError as exc:
+            port = 0
+            cause: Exception | None = exc
+        else:
+            cause = None
+        if port == 0:
+            raise ConfigError(
+                f"could not bind the peer's gRPC server on {self._bind} (address in use, or "
+                "not an address of this host? see FERROGRPC_BIND_HOST and FERROGRPC_PORT)"
+            ) from cause
+        await server.start()
+        self._server = server
+        self.port = port
+        host = self._advertise_host or self._bind.rsplit(":", 1)[0]
+        if host in ("0.0.0.0", "[::]", ""):
+            host = "127.0.0.1"
+        return f"{host}:{port}"
+
+    async def _serve_send(
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes:
+        refusal = await self._take_stream(request_iterator, context.peer())
+        if refusal is not None:
+            await _abort_with(context, refusal)
+        return b""
+
+    async def _take_stream(
+        self, request_iterator: AsyncIterator[bytes], origin: str
+    ) -> FerroGrpcError | None:
+        """Hand a stream to the handler; the error to fail it with, if any.
+        The error is returned rebuilt, without a traceback: grpc keeps the
+        abort's exception while the client holds the call open, and the
+        traceback's frames would keep the refused message alive with it."""
+        assert self._handler is not None
+        iterator = request_iterator.__aiter__()
+        try:
+            first = await iterator.__anext__()
+        except StopAsyncIteration:
+            return ProtocolError("empty stream")
+        try:
+            await self._handler.handle_stream(first, _GrpcInStream(iterator), origin)
+        except FerroGrpcError as exc:
+            return _detached(exc)
+        except (ValueError, TypeError, OverflowError, IndexError, KeyError) as exc:
+            # Hostile or garbled input that slipped past the checks: a clean
+            # error for the client, and this peer goes on serving.
+            return ProtocolError(f"malformed stream: {type(exc).__name__}: {str(exc)[:200]}")
+        return None
+
+    async def _serve_abort(
+        self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes:
+        assert self._handler is not None
+        try:
+            await self._handler.handle_abort(request)
+        except FerroGrpcError as exc:
+            await _abort_with(context, exc)
+        except (ValueError, TypeError, OverflowError, IndexError, KeyError) as exc:
+            await _abort_with(context, ProtocolError(f"malformed abort: {exc!r}"))
+        return b""
+
+    def _channel(self, dst: int, lane: int) -> grpc.aio.Channel:
+        key = (dst, lane)
+        channel = self._channels.get(key)
+        if channel is None:
+            address = self.addresses[dst]
+            # A private subchannel pool gives every lane its own TCP connection.
+            options = [*self._options(), ("grpc.use_local_subchannel_pool", 1)]
+            channel = aio_channel(address, self._tls, options)
+            self._channels[key] = channel
+        return channel
+
+    async def open(self, dst: int, lane: int) -> OutStream:
+        channel = self._channel(dst, lane)
+        method = channel.stream_unary(
+            SEND_METHOD, request_serializer=_identity, response_deserializer=_identity
+        )
+        call = method(metadata=self._metadata)  # type: ignore[call-arg]
+        return _GrpcOutStream(call, dst, self.addresses[dst], self.send_hook)
+
+    async def send_abort(self, dst: int, message: bytes, timeout: float) -> None:
+        method = self._channel(dst, 0).unary_unary(
+            ABORT_METHOD, request_serializer=_identity, response_deserializer=_identity
+        )
+        try:
+            await method(message, timeout=timeout, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise translate(exc, dst, self.addresses[dst], "abort") from exc
+
+    async def ping(self, dst: int, timeout: float) -> None:
+        await self._check_reachable(dst, min(timeout, TCP_CONNECT_S))
+        method = self._channel(dst, 0).unary_unary(
+            PING_METHOD, request_serializer=_identity, response_deserializer=_identity
+        )
+        try:
+            await method(b"", timeout=timeout, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise translate(exc, dst, self.addresses[dst], "ping") from exc
+
+    async def _check_reachable(self, dst: int, timeout: float) -> None:
+        """Raise PeerError (unreachable) unless ``dst``'s host accepts a TCP
+        connection to its port within ``timeout`` (see TCP_CONNECT_S)."""
+        address = self.addresses[dst]
+        host, _, port = address.rpartition(":")
+        try:
+            async with asyncio.timeout(timeout):
+                _, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+        except (OSError, TimeoutError) as exc:
+            reason = f"no answer within {timeout:g}s" if isinstance(exc, TimeoutError) else exc
+            raise PeerError(
+                f"ping: rank {dst} at {address} accepts no connection ({reason})",
+                peer=dst,
+                peer_address=address,
+                evidence=Evidence.UNREACHABLE,
+            ) from exc
+        writer.close()
+
+    async def close(self) -> None:
+        channels = list(self._channels.values())
+        self._channels.clear()
+        for channel in channels:
+            await channel.close(None)
+        if self._server is not None:
+            server, self._server = self._server, None
+            await server.stop(grace=0.5)
+        # Break the peer <-> transport reference cycle so sockets close now,
+        # not at the next garbage collection.
+        self._handler = None

@@ -1,0 +1,187 @@
+"""Transports move framed chunk messages between peers; algorithms never see grpc.
+
+A transport offers outgoing streams to a destination rank (one per
+collective and lane) and delivers incoming streams to the peer's
+:class:`StreamHandler`, plus two small unary control messages (abort, ping).
+Two implementations: :class:`~ferrogrpc.transport.grpc_streams.GrpcTransport` (the
+real one, which is also the one place where grpc errors become ferrogrpc
+errors) and :class:`MemoryTransport` here (in-process queues, for fast
+deterministic tests).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import itertools
+from collections.abc import Callable
+from typing import Protocol
+
+from ..errors import Evidence, PeerError
+
+SendHook = Callable[[int, bytes], bytes]
+"""``hook(dst, message)`` may rewrite outgoing messages (fault injection)."""
+
+
+class InStream(Protocol):
+    async def read(self) -> bytes | None:
+        """The next message, or None at the end of the stream."""
+        ...
+
+
+class OutStream(Protocol):
+    async def write(self, message: bytes) -> None: ...
+
+    async def close(self) -> None:
+        """Finish the stream and wait until the receiver has consumed it."""
+        ...
+
+    def cancel(self) -> None: ...
+
+
+class StreamHandler(Protocol):
+    async def handle_stream(self, first: bytes, stream: InStream, origin: str) -> None:
+        """Take an incoming stream; return once it has been consumed. Raising
+        FerroGrpcError fails the stream at the sender with that message."""
+        ...
+
+    async def handle_abort(self, message: bytes) -> None: ...
+
+
+class Transport(abc.ABC):
+    """Moves bytes between ranks. ``start`` binds and returns the address to
+    advertise; ``connect`` learns everyone's addresses."""
+
+    addresses: list[str]
+
+    @abc.abstractmethod
+    async def start(self, handler: StreamHandler) -> str: ...
+
+    def connect(self, addresses: list[str]) -> None:
+        self.addresses = list(addresses)
+
+    @abc.abstractmethod
+    async def open(self, dst: int, lane: int) -> OutStream: ...
+
+    @abc.abstractmethod
+    async def send_abort(self, dst: int, message: bytes, timeout: float) -> None: ...
+
+    @abc.abstractmethod
+    async def ping(self, dst: int, timeout: float) -> None:
+        """Return if ``dst`` answers within ``timeout``; raise PeerError if not
+        (with Evidence.UNREACHABLE when ``dst`` cannot be reached at all)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+class _MemoryInStream:
+    def __init__(self, window: int) -> None:
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=window)
+
+    async def read(self) -> bytes | None:
+        return await self.queue.get()
+
+
+class _MemoryOutStream:
+    def __init__(
+        self, target: MemoryTransport, window: int, dst: int, hook: SendHook | None
+    ) -> None:
+        self._hook = hook
+        self._target = target
+        self._window = window
+        self._dst = dst
+        self._stream: _MemoryInStream | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def write(self, message: bytes) -> None:
+        if self._hook is not None:
+            message = self._hook(self._dst, message)
+        if self._task is None:
+            handler = self._target.handler
+            if handler is None or self._target.closed:
+                raise PeerError(f"sending: rank {self._dst} is not serving", peer=self._dst)
+            self._stream = _MemoryInStream(self._window)
+            self._task = asyncio.ensure_future(
+                handler.handle_stream(message, self._stream, "memory")
+            )
+            return
+        assert self._stream is not None
+        if self._task.done():
+            await self._task  # re-raises the receiver's failure
+            raise PeerError("sending: receiver finished early", peer=self._dst)
+        if self._target.closed:
+            # As a reset connection would: the receiving process is gone.
+            self._task.cancel()
+            raise PeerError(
+                f"sending: rank {self._dst} is gone", peer=self._dst, evidence=Evidence.UNREACHABLE
+            )
+        await self._stream.queue.put(message)
+
+    async def close(self) -> None:
+        if self._task is None:
+            return
+        assert self._stream is not None
+        if not self._task.done():
+            await self._stream.queue.put(None)
+        await self._task
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+class MemoryTransport(Transport):
+    """In-process transport: bounded asyncio queues stand in for HTTP/2 streams.
+    Peers find each other through a shared registry dict."""
+
+    _ids = itertools.count()
+
+    def __init__(self, registry: dict[str, MemoryTransport], window: int = 4) -> None:
+        self._registry = registry
+        self._window = window
+        self.send_hook: SendHook | None = None
+        self.handler: StreamHandler | None = None
+        self.closed = False
+        # Tests set this to stand for a stopped process: pings go unanswered.
+        self.frozen = False
+        self.addresses = []
+
+    async def start(self, handler: StreamHandler) -> str:
+        self.handler = handler
+        address = f"memory:{next(self._ids)}"
+        self._registry[address] = self
+        return address
+
+    def _target(self, dst: int) -> MemoryTransport:
+        target = self._registry.get(self.addresses[dst])
+        if target is None:
+            raise PeerError(
+                f"rank {dst} is gone",
+                peer=dst,
+                peer_address=self.addresses[dst],
+                evidence=Evidence.UNREACHABLE,
+            )
+        return target
+
+    async def open(self, dst: int, lane: int) -> OutStream:
+        return _MemoryOutStream(self._target(dst), self._window, dst, self.send_hook)
+
+    async def send_abort(self, dst: int, message: bytes, timeout: float) -> None:
+        target = self._target(dst)
+        if target.handler is not None and not target.closed:
+            await target.handler.handle_abort(message)
+
+    async def ping(self, dst: int, timeout: float) -> None:
+        target = self._target(dst)
+        if target.closed or target.handler is None:
+            raise PeerError(f"rank {dst} is gone", peer=dst, evidence=Evidence.UNREACHABLE)
+        if target.frozen:
+            await asyncio.sleep(timeout)
+            raise PeerError(f"rank {dst} did not answer a ping", peer=dst)
+
+    async def close(self) -> None:
+        self.closed = True
+        for address, transport in list(self._registry.items()):
+            if transport is self:
+                del self._registry[address]

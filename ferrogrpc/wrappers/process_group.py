@@ -1,0 +1,470 @@
+"""ferrogrpc as a torch.distributed backend: ``dist.init_process_group("ferrogrpc")``.
+
+Importing ferrogrpc registers the backend for CPU and CUDA tensors. Each
+process group (the default one, and every ``dist.new_group(...,
+backend="ferrogrpc")``) is an adapter over its own :class:`Backend`: the same
+engine, rendezvoused through the store torch hands the backend, so env://,
+``tcp://``, ``file://`` and ``store=`` all work as they do for gloo.
+Options come from the environment (``FERROGRPC_*``, as for ``init_backend``)
+or from ``pg_options``: a mapping of ``init_backend`` keyword arguments,
+e.g. ``pg_options={"token": "...", "shm": False}``.
+
+Every operation returns a torch ``Work`` over a future (``wait()``,
+``get_future()``); errors are ferrogrpc's, naming the rank, raised when
+torch waits. Operations torch has and the engine does not are composed from
+those it does: ``reduce`` is an all_reduce (every rank gets the result),
+``gather`` an all_gather, ``scatter`` a broadcast of the root's tensors,
+``alltoall`` an all_to_all of the flattened tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import datetime
+import os
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Work as _TorchWork
+
+from ..control.rendezvous import Activity, RendezvousResult, exchange_through_store, table_result
+from ..errors import ConfigError, FerroGrpcError, RendezvousError
+from ..runtime.backend import Backend
+from ..runtime.call import Call
+from ..runtime.settings import MASTER_ADDR_ENV, Settings
+from ..runtime.startup import start_backend
+from ..runtime.work import Work
+
+NAME = "ferrogrpc"
+T = TypeVar("T")
+_INIT_KEYS = {
+    "timeouts",
+    "chunk_policy",
+    "checksum",
+    "tls",
+    "token",
+    "shm",
+    "bind_host",
+    "advertise_host",
+    "port",
+}
+
+
+class TorchStoreRendezvous:
+    """The rendezvous through the (prefixed, per-group) store torch gives a
+    backend: each rank sets its entry and waits for the others'."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout: float) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+
+    def _exchange(self, address: str, nonce: str, host: str) -> list[dict[str, str]]:
+        entry = {"address": address, "nonce": nonce, "host": host}
+        try:
+            # torch owns this store (and keeps it for the group's life): no
+            # read handshake, which only decides when a store we host may stop.
+            return exchange_through_store(
+                self.store,
+                "ferrogrpc/",
+                self.rank,
+                self.world_size,
+                entry,
+                self.timeout,
+                hosted_here=False,
+            )
+        except (RuntimeError, OSError) as exc:
+            raise RendezvousError(
+                f"not every rank published its address within {self.timeout:g}s: {exc}",
+                rank=self.rank,
+                world_size=self.world_size,
+            ) from exc
+
+    async def exchange(
+        self, rank: int | None, world_size: int | None, address: str, nonce: str, host: str = ""
+    ) -> RendezvousResult:
+        loop = asyncio.get_running_loop()
+        table = await loop.run_in_executor(None, self._exchange, address, nonce, host)
+        return table_result(self.rank, self.world_size, table)
+
+    def start_heartbeats(self, activity: Activity) -> None:
+        """Nothing: a store keeps no member table."""
+
+    async def close(self) -> None:
+        self.store = None
+
+
+def _store_host(store: Any) -> str:
+    """The host the store's server is on, where torch says (a TCPStore);
+    else MASTER_ADDR, else loopback (a FileStore or HashStore on one host)."""
+    base = store
+    while hasattr(base, "underlying_store"):
+        base = base.underlying_store
+    host = getattr(base, "host", None)
+    if isinstance(host, str) and host:
+        return host
+    return os.environ.get(MASTER_ADDR_ENV) or "127.0.0.1"
+
+
+def _options(given: object) -> dict[str, Any]:
+    if given is None:
+        return {}
+    items = given.items() if isinstance(given, Mapping) else vars(given).items()
+    options = {k: v for k, v in items if not k.startswith("_")}
+    unknown = set(options) - _INIT_KEYS
+    if unknown:
+        raise ConfigError(
+            f"pg_options for the ferrogrpc backend take {sorted(_INIT_KEYS)}; "
+            f"unknown: {sorted(unknown)}"
+        )
+    return options
+
+
+class FerroWork(_TorchWork):
+    """A torch ``Work`` over a ferrogrpc :class:`Work`: ``wait()`` raises
+    the collective's error (ferrogrpc's, naming the rank), ``get_future()``
+    gives a future completed with the result."""
+
+    def __init__(self, work: Work[Any]) -> None:
+        super().__init__()
+        self._work = work
+        self._future = work.get_future()
+
+    def wait(self, timeout: Any = None) -> bool:
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None
+        self._work.wait(seconds or None)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work.is_completed() and self._work.exception() is None
+
+    def exception(self) -> Any:
+        return self._work.exception()
+
+    def get_future(self) -> Any:
+        return self._future
+
+    def synchronize(self) -> None:
+        self._work.wait()
+
+
+class FerroProcessGroup(dist.ProcessGroup):
+    """A torch ProcessGroup whose operations run on a ferrogrpc Backend."""
+
+    def __init__(self, backend: Backend, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self.backend = backend
+        self._name = ""
+
+    # ---------------------------------------------------------- identity
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return NAME
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+        super()._set_group_name(name)
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def shutdown(self) -> None:
+        self.backend.close()
+
+    def abort(self) -> None:
+        self.backend.close()
+
+    def __repr__(self) -> str:
+        return f"<FerroProcessGroup rank {self.rank()}/{self.size()} {self.backend!r}>"
+
+    # ------------------------------------------------------------ works
+
+    def _run(self, name: str, coro: Coroutine[Any, Any, T]) -> Any:
+        work = self.backend.submit(coro, name, True)
+        assert isinstance(work, Work)
+        return FerroWork(work)
+
+    def _now_or_run(self, name: str, coro: Coroutine[Any, Any, Any], value: Any) -> Any:
+        """A small collective on one host whose turn it is runs now, in this
+        thread (direct.py), and torch gets a completed Work (its error, if
+        any, raised by ``wait()``); any other runs on the backend's loop."""
+        if isinstance(coro, Call):
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            try:
+                done, _ = coro.run_here()
+            except FerroGrpcError as exc:
+                future.set_exception(exc)
+                return FerroWork(Work(future, name))
+            if done:
+                future.set_result(value)
+                return FerroWork(Work(future, name))
+        return self._run(name, _returning(coro, value))
+
+    def _peer_call(self, name: str, make: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+        async def run() -> Any:
+            return await make()
+
+        return self._run(name, run())
+
+    # ------------------------------------------------------- collectives
+
+    def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> Any:
+        op = opts.reduceOp if opts is not None else "sum"
+        peer = self.backend.peer
+        if len(tensors) == 1:
+            return self._now_or_run("all_reduce", peer.all_reduce(tensors[0], op), tensors)
+        return self._run("all_reduce", _returning(peer.all_reduce_coalesced(tensors, op), tensors))
+
+    def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> Any:
+        op = opts.reduceOp if opts is not None else "sum"
+        coro = self.backend.peer.all_reduce_coalesced(tensors, op)
+        return self._run("all_reduce_coalesced", _returning(coro, tensors))
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
+        root = opts.rootRank
+        peer = self.backend.peer
+
+        async def run() -> list[torch.Tensor]:
+            for t in tensors:
+                await peer.broadcast(t, root)
+            return list(tensors)
+
+        return self._run("broadcast", run())
+
+    def reduce(self, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
+        # Every rank gets the result; torch leaves non-root tensors unspecified.
+        peer = self.backend.peer
+
+        async def run() -> list[torch.Tensor]:
+            for t in tensors:
+                await peer.all_reduce(t, opts.reduceOp)
+            return list(tensors)
+
+        return self._run("reduce", run())
+
+    def allgather(
+        self, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor], opts: Any
+    ) -> Any:
+        peer = self.backend.peer
+
+        async def run() -> Any:
+            for out, t in zip(outputs, inputs, strict=True):
+                parts = await peer.all_gather(t)
+                for o, p in zip(out, parts, strict=True):
+                    o.copy_(p)
+            return outputs
+
+        return self._run("all_gather", run())
+
+    def allgather_coalesced(
+        self, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor], opts: Any
+    ) -> Any:
+        # outputs[r][i] receives rank r's inputs[i].
+        peer = self.backend.peer
+
+        async def run() -> Any:
+            for i, t in enumerate(inputs):
+                parts = await peer.all_gather(t)
+                for r, p in enumerate(parts):
+                    outputs[r][i].copy_(p)
+            return outputs
+
+        return self._run("all_gather_coalesced", run())
+
+    def _allgather_base(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
+        coro = self.backend.peer.all_gather_into_tensor(out, inp)
+        return self._now_or_run("all_gather_into_tensor", coro, out)
+
+    all_gather_single = _allgather_base
+
+    def all_gather_single_coalesced(
+        self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], opts: Any = None
+    ) -> Any:
+        peer = self.backend.peer
+
+        async def run() -> Any:
+            for out, t in zip(outputs, inputs, strict=True):
+                await peer.all_gather_into_tensor(out, t)
+            return outputs
+
+        return self._run("all_gather_into_tensor", run())
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter(
+        self, outputs: Sequence[torch.Tensor], inputs: Sequence[Sequence[torch.Tensor]], opts: Any
+    ) -> Any:
+        peer = self.backend.peer
+
+        async def run() -> Any:
+            for out, parts in zip(outputs, inputs, strict=True):
+                flat = torch.cat([p.reshape(-1) for p in parts])
+                await peer.reduce_scatter_tensor(out, flat.view(-1), opts.reduceOp)
+            return outputs
+
+        return self._run("reduce_scatter", run())
+
+    def _reduce_scatter_base(self, out: torch.Tensor, inp: torch.Tensor, opts: Any) -> Any:
+        coro = self.backend.peer.reduce_scatter_tensor(out, inp, opts.reduceOp)
+        return self._now_or_run("reduce_scatter_tensor", coro, out)
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], opts: Any
+    ) -> Any:
+        peer = self.backend.peer
+
+        async def run() -> Any:
+            for out, t in zip(outputs, inputs, strict=True):
+                await peer.reduce_scatter_tensor(out, t, opts.reduceOp)
+            return outputs
+
+        return self._run("reduce_scatter_tensor", run())
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def gather(
+        self, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor], opts: Any
+    ) -> Any:
+        root, me, peer = opts.rootRank, self.rank(), self.backend.peer
+
+        async def run() -> Any:
+            parts = await peer.all_gather(inputs[0])
+            if me == root:
+                for o, p in zip(outputs[0], parts, strict=True):
+                    o.copy_(p)
+            return outputs
+
+        return self._run("gather", run())
+
+    def scatter(
+        self, outputs: Sequence[torch.Tensor], inputs: Sequence[Sequence[torch.Tensor]], opts: Any
+    ) -> Any:
+        root, me, world, peer = opts.rootRank, self.rank(), self.size(), self.backend.peer
+        out = outputs[0]
+
+        async def run() -> Any:
+            if me == root:
+                buf = torch.stack([t.reshape(out.shape) for t in inputs[0]])
+            else:
+                buf = torch.empty((world, *out.shape), dtype=out.dtype, device=out.device)
+            await peer.broadcast(buf, root)
+            out.copy_(buf[me])
+            return outputs
+
+        return self._run("scatter", run())
+
+    def alltoall(
+        self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], opts: Any = None
+    ) -> Any:
+        peer = self.backend.peer
+
+        async def run() -> Any:
+            flat_in = torch.cat([t.reshape(-1) for t in inputs])
+            flat_out = torch.empty(
+                sum(t.numel() for t in outputs), dtype=outputs[0].dtype, device=outputs[0].device
+            )
+            await peer.all_to_all_single(
+                flat_out, flat_in, [t.numel() for t in outputs], [t.numel() for t in inputs]
+            )
+            at = 0
+            for t in outputs:
+                t.copy_(flat_out[at : at + t.numel()].view(t.shape))
+                at += t.numel()
+            return outputs
+
+        return self._run("all_to_all", run())
+
+    def alltoall_base(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        out_splits: Sequence[int],
+        in_splits: Sequence[int],
+        opts: Any = None,
+    ) -> Any:
+        coro = self.backend.peer.all_to_all_single(
+            out, inp, list(out_splits) or None, list(in_splits) or None
+        )
+        return self._run("all_to_all", coro)
+
+    all_to_all_single = alltoall_base
+
+    def barrier(self, opts: Any = None) -> Any:
+        return self._now_or_run("barrier", self.backend.peer.barrier(), None)
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None
+        work = self.backend.barrier(async_op=True)
+        work.wait(seconds)
+
+    # ---------------------------------------------------- point to point
+
+    def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        return self._run("send", self.backend.peer.send(tensors[0], dst, tag))
+
+    def recv(self, tensors: Sequence[torch.Tensor], src: int, tag: int = 0) -> Any:
+        return self._run("recv", self.backend.peer.recv(tensors[0], src, tag))
+
+    def recv_anysource(self, tensors: Sequence[torch.Tensor], tag: int = 0) -> Any:
+        raise ConfigError(
+            "the ferrogrpc backend needs the source of a recv: pass src=",
+            rank=self.rank(),
+            world_size=self.size(),
+            op="recv",
+        )
+
+
+async def _returning(coro: Coroutine[Any, Any, Any], value: T) -> T:
+    await coro
+    return value
+
+
+def _create(dist_opts: Any, pg_options: Any) -> FerroProcessGroup:
+    """torch's backend hook: one ferrogrpc Backend per process group."""
+    store, rank, world = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
+    s = Settings.from_env().merged(**_options(pg_options))
+    if s.malloc_tuning is None:
+        # Process-wide, so not behind the user's back inside their own
+        # training loop: FERROGRPC_MALLOC_TUNING=1 opts in.
+        s = dataclasses.replace(s, malloc_tuning=False)
+    rendezvous = TorchStoreRendezvous(store, rank, world, s.timeouts.connect)
+    backend = start_backend(s, rendezvous, _store_host(store), rank, world)
+    return FerroProcessGroup(backend, rank, world)
+
+
+def register() -> None:
+    """Register ``"ferrogrpc"`` with torch.distributed (once per process)."""
+    if NAME.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+    # torch's monitored_barrier refuses every backend but gloo by name.
+    dist.monitored_barrier = monitored_barrier
+    dist.distributed_c10d.monitored_barrier = monitored_barrier
+
+
+_torch_monitored_barrier = dist.monitored_barrier
+
+
+def monitored_barrier(
+    group: Any = None, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False
+) -> None:
+    """``torch.distributed.monitored_barrier``, which torch implements for
+    gloo only, extended to ferrogrpc's groups: a barrier that raises
+    CollectiveTimeoutError (naming the rank waited for) if it does not
+    complete within ``timeout``. Other backends go to torch's own."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if isinstance(pg, FerroProcessGroup):
+        pg.monitored_barrier(timeout, wait_all_ranks)
+        return
+    _torch_monitored_barrier(group, timeout, wait_all_ranks)
