@@ -1,5 +1,5 @@
 # The ferrogrpc image: the coordinator (python -m server) and the rank programs
-# (python -m client.train) run from it; see docker-compose.yml and the README's
+# (python -m client.train) run from it, in /app; see docker-compose.yml and the README's
 # compose section (tests/test_compose.py builds and runs it on a Docker engine).
 #
 # Layers, slowest-changing first, so that a source change rebuilds only the
@@ -28,16 +28,17 @@ print(*p['build-system']['requires'], *p['project']['dependencies'], sep='\n')" 
 
 COPY README.md ./
 COPY ferrogrpc ferrogrpc
-COPY client client
-COPY server server
 # --no-build-isolation: setuptools is already installed above, so building
-# the package needs no index; --no-deps: nor does installing it.
+# the package needs no index; --no-deps: nor does installing it. Only the
+# library is installed: client/ and server/ are programs, not packages.
 RUN pip install -q --no-deps --no-build-isolation . && rm -rf /src/build
 
-# Not root, and outside the source tree, so `python -m server` and
-# `python -m client.train` import the installed packages.
+# The programs' folder: `python -m server` and `python -m client.train` run
+# from it, and import the installed ferrogrpc (there is no ferrogrpc/ here).
+WORKDIR /app
+COPY client client
+COPY server server
 USER ferrogrpc
-WORKDIR /home/ferrogrpc
 
 # 29400: coordinator (gRPC rendezvous + grpc.health.v1); 29500: a rank's peer.
 EXPOSE 29400 29500

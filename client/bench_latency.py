@@ -40,8 +40,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from client.bench import _measure, collect, fmt_size, parse_size
-from ferrogrpc.control.launch import free_port, spawn_ranks
+from client.common import collect, fmt_size, measure, parse_size
+from ferrogrpc.testing import free_port, spawn_ranks
 
 IMPLS = ("gloo", "shm", "grpc")
 SIZES = ["4", "64", "1K", "16K", "64K", "256K", "1M"]
@@ -153,7 +153,7 @@ def worker(args: argparse.Namespace) -> None:
     cases.append(("barrier", 0))
     for op, size in cases:
         ops, before, after = ops_for(op, size)
-        times = _measure(ops, dist.barrier, args.iters, args.warmup, before, after, start, barriers)
+        times = measure(ops, dist.barrier, args.iters, args.warmup, before, after, start, barriers)
         rows.append({"op": op, "size": size, "times": times})
     # Bandwidth with a wire dtype, over gRPC.
     grpc = backends["grpc"]
@@ -161,7 +161,7 @@ def worker(args: argparse.Namespace) -> None:
     wires = {"float32": None, "bfloat16": torch.bfloat16}
     wire_times: dict[str, list[float]] = {w: [] for w in big}
     if args.wire_iters:
-        wire_times = _measure(
+        wire_times = measure(
             {w: partial(grpc.all_reduce, big[w], wire_dtype=wires[w]) for w in big},
             dist.barrier,
             args.wire_iters,

@@ -39,8 +39,8 @@ import time
 import warnings
 from typing import Any
 
-from client.bench import collect, rotated
-from ferrogrpc.control.launch import free_port, spawn_ranks
+from client.common import collect, rotated
+from ferrogrpc.testing import free_port, spawn_ranks
 
 
 def build_model(width: int, depth: int, device_ms: float = 0.0, io: int = 1024) -> Any:

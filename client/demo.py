@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ferrogrpc.control.launch import spawn_ranks
+from ferrogrpc.testing import spawn_ranks
 
 MODES = ("ddp", "fsdp")
 TOLERANCE = 1e-6

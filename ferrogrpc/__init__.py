@@ -2,13 +2,15 @@
 asyncio gRPC ring collectives.
 
 The public API is exactly what ``__all__`` lists; everything else is private.
+Importing the package imports no torch: the names that need it load on
+first use, and ``"ferrogrpc"`` is registered with torch.distributed as soon
+as torch is loaded (see [Note: import without torch] in
+wrappers/registration.py).
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
@@ -20,36 +22,48 @@ from .errors import (
     RendezvousError,
 )
 from .options import ChunkPolicy, Timeouts, TLSConfig
+from .wrappers.registration import register_when_torch_loads
+
+if TYPE_CHECKING:
+    from . import testing
+    from .ops import SUPPORTED_DTYPES, ReduceOp
+    from .runtime.backend import Backend
+    from .runtime.peer import Peer
+    from .runtime.startup import init_backend
+    from .runtime.work import Work
+    from .wrappers.ddp import DDP
+    from .wrappers.fsdp import FSDP
 
 __version__ = "0.1.0"
 
+# The names that need torch, and the module each comes from.
+_ON_FIRST_USE = {
+    "Backend": "ferrogrpc.runtime.backend",
+    "DDP": "ferrogrpc.wrappers.ddp",
+    "FSDP": "ferrogrpc.wrappers.fsdp",
+    "Peer": "ferrogrpc.runtime.peer",
+    "ReduceOp": "ferrogrpc.ops",
+    "SUPPORTED_DTYPES": "ferrogrpc.ops",
+    "Work": "ferrogrpc.runtime.work",
+    "init_backend": "ferrogrpc.runtime.startup",
+    "testing": "ferrogrpc.testing",
+}
 
-def _torch_free_program() -> bool:
-    """Whether this process runs the coordinator (``python -m server``) or
-    its healthcheck (``python -m server.health``) from this project: they
-    use no torch, and a torch import costs seconds of CPU (every 2 s, as a
-    container healthcheck)."""
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    origin = getattr(spec, "origin", None)
-    return origin is not None and Path(origin).parent == Path(__file__).parent.parent / "server"
 
-
-if TYPE_CHECKING or not _torch_free_program():
-    # Everything else imports the whole API now, and with it registers the
-    # torch.distributed backend (``dist.init_process_group("ferrogrpc")``).
-    from . import testing
-    from ._api import DDP, FSDP, SUPPORTED_DTYPES, Backend, Peer, ReduceOp, Work, init_backend
-else:
-
-    def __getattr__(name: str) -> Any:
-        # The torch-free programs still get the rest on first use (a name
-        # _api does not have yet, while it imports, is missing for now).
-        if name in __all__ or name == "torch_backend":
-            api = importlib.import_module("ferrogrpc._api")
-            if hasattr(api, name):
-                return getattr(api, name)
+def __getattr__(name: str) -> Any:
+    source = _ON_FIRST_USE.get(name)
+    if source is None:
         raise AttributeError(f"module 'ferrogrpc' has no attribute {name!r}")
+    # torch first, whole: its loading registers the backend, before any
+    # module of ours is half imported.
+    importlib.import_module("torch")
+    module = importlib.import_module(source)
+    value = module if name == "testing" else getattr(module, name)
+    globals()[name] = value
+    return value
 
+
+register_when_torch_loads()
 
 __all__ = [
     "SUPPORTED_DTYPES",

@@ -1,17 +1,31 @@
-"""The ``ferrogrpc`` command: demo, bench, launch, coordinator, status."""
+"""The ``ferrogrpc`` command: demo, bench, launch, coordinator, health, status.
+
+``coordinator``, ``health`` and ``status`` import no torch. ``demo`` and
+``bench`` run the programs of a ferrogrpc checkout (``client/``), which
+the README's install (``pip install -e``) provides.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import subprocess
 import sys
 import time
+from pathlib import Path
+
+# The checkout this package was installed from (an editable install), if any.
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+# Subcommands that run a program of the checkout, and its module.
+PROGRAMS = {"demo": "client.demo", "bench": "client.bench"}
 
 
 def _status(target: str) -> int:
-    from .control.coordinator import fetch_status
+    from .control.coordinator_client import fetch_status
+    from .env import Settings
     from .errors import ConfigError, RendezvousError
-    from .runtime.settings import Settings
 
     try:
         s = Settings.from_env()  # FERROGRPC_TOKEN and FERROGRPC_TLS_*, as the coordinator's
@@ -29,6 +43,23 @@ def _status(target: str) -> int:
     return 0
 
 
+def _program(command: str, argv: list[str]) -> int:
+    """Run ``client/``'s program for ``command`` in a child process, with
+    this checkout first on its path."""
+    module = PROGRAMS[command]
+    if not (CHECKOUT / "client" / "__init__.py").is_file():
+        print(
+            f"ferrogrpc {command} runs {module.replace('.', '/')}.py of a ferrogrpc checkout; "
+            f"none is installed here ({CHECKOUT}). Clone the repository and install it with "
+            "pip install -e, as the README does.",
+            file=sys.stderr,
+        )
+        return 2
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHECKOUT), env.get("PYTHONPATH")) if p)
+    return subprocess.call([sys.executable, "-m", module, *argv], env=env)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
@@ -38,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="train locally with DDP and FSDP, check equivalence, plot")
     sub.add_parser("bench", help="all_reduce benchmark against gloo (ferrogrpc bench --help)")
-    sub.add_parser("coordinator", help="run the rendezvous coordinator")
+    sub.add_parser("coordinator", help="run the rendezvous coordinator (--help for options)")
+    sub.add_parser("health", help="exit 0 if the coordinator at HOST:PORT is serving")
     launch_p = sub.add_parser("launch", help="run N local ranks of a script, torchrun-style")
     launch_p.add_argument("--nproc", type=int, default=2, help="ranks to start (default 2)")
     launch_p.add_argument(
@@ -49,19 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     launch_p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     status_p = sub.add_parser("status", help="print a coordinator's member table")
     status_p.add_argument("target", metavar="HOST:PORT")
-    if argv and argv[0] in ("demo", "bench", "coordinator"):
-        command, rest = argv[0], argv[1:]
-        if command == "demo":
-            from client.demo import main as demo_main
+    if argv and argv[0] in PROGRAMS:
+        return _program(argv[0], argv[1:])
+    if argv and argv[0] == "coordinator":
+        from .control.serve import main as coordinator_main
 
-            return demo_main(rest)
-        if command == "bench":
-            from client.bench import main as bench_main
+        return coordinator_main(argv[1:])
+    if argv and argv[0] == "health":
+        from .control.health import main as health_main
 
-            return bench_main(rest)
-        from server.__main__ import main as coordinator_main
-
-        return coordinator_main(rest)
+        return health_main(argv[1:])
     ns = parser.parse_args(argv)
     if ns.command == "status":
         return _status(ns.target)

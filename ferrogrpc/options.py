@@ -1,5 +1,6 @@
-"""Options: frozen dataclasses, validated on construction. The environment
-is read in ``settings.py``, never here."""
+"""The option types a user passes (``Timeouts``, ``ChunkPolicy``,
+``TLSConfig``): frozen dataclasses, validated on construction. The
+environment is read in env.py, never here."""
 
 from __future__ import annotations
 

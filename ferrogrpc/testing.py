@@ -1,5 +1,6 @@
 """Helpers for tests, benchmarks and notebooks: N peers in the running event
-loop, injected faults, and a process's peak RSS."""
+loop, injected faults, a process's peak RSS, and local ranks as processes
+(``spawn_ranks``, ``free_port``: what ``ferrogrpc launch`` uses)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,16 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal
 
 from .algorithms.context import Stats
+from .control.launch import free_port, spawn_ranks
 from .control.rendezvous import LocalRendezvous
+from .env import resolve_checksum
 from .errors import FerroGrpcError
 from .ops import kind_name
 from .options import ChunkPolicy, Timeouts, TLSConfig
+from .runtime.allocator import tune_allocator
 from .runtime.backend import Backend
 from .runtime.join import message_limit
 from .runtime.peer import Peer
-from .runtime.settings import resolve_checksum
 from .transport.grpc_streams import GrpcTransport
 from .transport.integrity import Checksum
 from .transport.streams import MemoryTransport, Transport
@@ -244,3 +247,23 @@ def peak_rss(run: Callable[[], object]) -> int:
         done.set()
         sampler.join()
     return max(peak, rss())
+
+
+__all__ = [
+    "Fault",
+    "FaultKind",
+    "broken",
+    "checksum",
+    "free_port",
+    "inject",
+    "last_seq",
+    "local_group",
+    "peak_rss",
+    "refusal",
+    "rss",
+    "running",
+    "set_checksum",
+    "spawn_ranks",
+    "stats",
+    "tune_allocator",
+]

@@ -21,13 +21,12 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import ferrogrpc as fg
-    from ferrogrpc.options import ChunkPolicy
 
     torch.set_num_threads(1)
     ports = [int(p) for p in os.environ["CHUNK_AB_PORTS"].split(",")]
     backends = {
         mib: fg.init_backend(
-            shm=False, master_port=port, chunk_policy=ChunkPolicy(chunk_bytes=mib << 20)
+            shm=False, master_port=port, chunk_policy=fg.ChunkPolicy(chunk_bytes=mib << 20)
         )
         for mib, port in zip(args.chunks_mib, ports, strict=True)
     }
@@ -77,7 +76,7 @@ def main() -> int:
         worker(args)
         return 0
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from ferrogrpc.control.launch import free_port, spawn_ranks
+    from ferrogrpc.testing import free_port, spawn_ranks
 
     os.environ["CHUNK_AB_PORTS"] = ",".join(str(free_port()) for _ in args.chunks_mib)
     argv = [sys.executable, __file__, *sys.argv[1:], "--worker"]

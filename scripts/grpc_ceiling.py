@@ -31,9 +31,10 @@ OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_leng
 async def rank_main(
     rank: int, world: int, base: int, count: int, size: int, start_at: float
 ) -> tuple[float, float]:
-    from ferrogrpc.runtime.allocator import tune_allocator
+    import ferrogrpc as fg
 
-    tune_allocator()  # the same allocator settings ferrogrpc runs with
+    # The same allocator settings a ferrogrpc rank runs with.
+    fg.testing.tune_allocator(True, cap_arenas=True)
     done = asyncio.Event()
 
     async def handler(requests: object, context: object) -> bytes:

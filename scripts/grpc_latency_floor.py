@@ -222,7 +222,7 @@ def main() -> int:
         return 0
     if args.rank is None:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from ferrogrpc.control.launch import free_port
+        from ferrogrpc.testing import free_port
 
         ports = f"{free_port()},{free_port()}"
         cmd = [sys.executable, __file__, "--mode", args.mode, "--exchanges", str(args.exchanges)]

@@ -21,14 +21,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ferrogrpc as fg
-from ferrogrpc.options import ChunkPolicy
 
 
 async def own_cost(world: int, numel: int, checksum: bool, iters: int) -> float:
     """Median CPU milliseconds per rank per all_reduce."""
     # The chunking a gRPC group of this size uses.
-    chunk_bytes, lanes = ChunkPolicy().resolve(world)
-    policy = ChunkPolicy(chunk_bytes=chunk_bytes, max_lanes=lanes)
+    chunk_bytes, lanes = fg.ChunkPolicy().resolve(world)
+    policy = fg.ChunkPolicy(chunk_bytes=chunk_bytes, max_lanes=lanes)
     async with fg.testing.local_group(
         world, transport="memory", chunk_policy=policy, checksum=checksum
     ) as peers:

@@ -116,7 +116,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    from ferrogrpc.control.launch import spawn_ranks
+    from ferrogrpc.testing import spawn_ranks
 
     argv = [sys.executable, __file__, *sys.argv[1:], "--worker"]
     procs = spawn_ranks(args.world, argv, capture=False)

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import ferrogrpc as fg
 from ferrogrpc.control.coordinator import Coordinator, CoordinatorRendezvous, Limits, fetch_status
 from ferrogrpc.control.coordinator_client import SERVICE
-from ferrogrpc.runtime.settings import Settings
+from ferrogrpc.env import Settings
 from ferrogrpc.transport.auth import aio_channel, token_metadata
 from ferrogrpc.transport.grpc_streams import GrpcTransport
 from ferrogrpc.v1 import rendezvous_pb2 as rpb
@@ -583,21 +583,30 @@ def _imported(*args: str) -> list[str]:
     return [line.rsplit("|", 1)[-1].strip() for line in lines]
 
 
+def _torch(imported: list[str]) -> bool:
+    """Whether any torch module is among ``imported`` (a module imported by
+    importlib.import_module is not listed itself: its own imports are)."""
+    return any(m.split(".")[0] == "torch" for m in imported)
+
+
 @pytest.mark.timeout(120)
-def test_the_coordinator_and_its_healthcheck_import_no_torch() -> None:
+def test_the_coordinator_its_healthcheck_and_status_import_no_torch() -> None:
     # docker-compose.yml runs the healthcheck every 2 s: a torch import made
     # each one cost 2.5 s of CPU (0.3 s without).
     port = free_port()
-    for args in (("-m", "server.health", f"127.0.0.1:{port}"), ("-m", "server", "--help")):
+    for args in (
+        ("-m", "server.health", f"127.0.0.1:{port}"),
+        ("-m", "server", "--help"),
+        ("-m", "ferrogrpc.cli", "status", f"127.0.0.1:{port}"),
+    ):
         imported = _imported(*args)
-        assert "ferrogrpc.runtime.settings" in imported, args
-        assert not [m for m in imported if m.split(".")[0] == "torch"], args
-    # Anything else gets the whole API (and the torch.distributed backend)
-    # at import; those programs get it on first use.
+        assert "ferrogrpc.env" in imported, args
+        assert not _torch(imported), args
+    # import ferrogrpc imports no torch; its torch names load on first use,
+    # and the torch.distributed backend is registered once torch is loaded,
+    # whichever comes first.
     code = (
-        "import importlib.util, sys\n"
-        "sys.modules['__main__'].__spec__ = importlib.util.spec_from_file_location("
-        "'server.health', 'server/health.py')\n"
+        "import sys\n"
         "import ferrogrpc as fg\n"
         "assert 'torch' not in sys.modules\n"
         "assert fg.Backend.__name__ == 'Backend' and fg.testing.stats\n"
@@ -610,5 +619,12 @@ def test_the_coordinator_and_its_healthcheck_import_no_torch() -> None:
         "else:\n"
         "    raise AssertionError('no AttributeError')\n"
     )
-    assert "torch" in _imported("-c", code)
-    assert "torch" in _imported("-c", "import ferrogrpc")
+    assert _torch(_imported("-c", code))
+    assert not _torch(_imported("-c", "import ferrogrpc"))
+    for first, then in (("ferrogrpc", "torch.distributed"), ("torch.distributed", "ferrogrpc")):
+        code = (
+            f"import {first}, {then}\n"
+            "import torch.distributed as dist\n"
+            "assert 'ferrogrpc' in dist.Backend.backend_list, dist.Backend.backend_list\n"
+        )
+        assert _torch(_imported("-c", code)), (first, then)

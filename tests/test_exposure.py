@@ -23,10 +23,10 @@ import torch
 
 import ferrogrpc as fg
 from ferrogrpc.control.rendezvous import LocalRendezvous, RendezvousResult, StoreRendezvous
+from ferrogrpc.env import Settings
 from ferrogrpc.errors import Identity
 from ferrogrpc.runtime.intake import credential
 from ferrogrpc.runtime.join import message_limit
-from ferrogrpc.runtime.settings import Settings
 from ferrogrpc.samehost.plane import _FRAME, HELLO, LocalPlane
 from ferrogrpc.transport import wire
 from ferrogrpc.transport.auth import token_metadata

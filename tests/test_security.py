@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ferrogrpc as fg
-from ferrogrpc.runtime.settings import Settings
+from ferrogrpc.env import Settings
 from ferrogrpc.testing import Fault, FaultKind
 from ferrogrpc.transport import integrity, wire
 from ferrogrpc.transport.grpc_streams import ABORT_METHOD, SEND_METHOD, TOKEN_METADATA_KEY

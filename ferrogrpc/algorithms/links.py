@@ -1,13 +1,16 @@
 """A rank's message links: one long-lived gRPC stream to each other rank,
 opened on first use and kept, whose first message proves the sender (see
 intake.py). Small collectives and point-to-point messages travel on them:
-no new stream per message."""
+no new stream per message. A message goes in parts of at most a chunk
+(:func:`send_parts`), each checked on arrival (:func:`check_part`)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from ..transport import wire
+from ..errors import Identity, ProtocolError
+from ..failure.watchdog import Watchdog
+from ..transport import integrity, wire
 from ..transport.streams import OutStream
 from ..v1 import collective_pb2 as pb
 from .context import RankContext
@@ -57,3 +60,54 @@ class Links:
                 pass  # best effort: the peer may be gone or failing
             finally:
                 stream.cancel()
+
+
+async def send_parts(
+    ctx: RankContext,
+    links: Links,
+    watch: Watchdog,
+    dst: int,
+    header: pb.ChunkHeader,
+    view: memoryview,
+    part: int,
+) -> None:
+    """Send ``view`` to ``dst`` on its link, in parts of at most ``part``
+    bytes: each with ``header`` (its lane the part's index, its offset the
+    whole message's size) and, when enabled, the part's checksum."""
+    total = view.nbytes
+    header.offset = total
+    for index, lo in enumerate(range(0, max(total, 1), part)):
+        piece = view[lo : lo + part]
+        header.lane = index
+        if ctx.checksum is not None:
+            header.checksum = ctx.checksum(piece)
+            header.has_checksum = True
+        await watch.wait(
+            f"s{dst}",
+            dst,
+            "a message to be accepted by",
+            links.send(dst, wire.encode(header, piece)),
+        )
+    ctx.stats.bytes_sent += total
+
+
+def check_part(
+    ctx: RankContext,
+    me: Identity,
+    op: str,
+    seq: int,
+    src: int,
+    header: pb.ChunkHeader,
+    item: memoryview,
+) -> None:
+    """Raise ProtocolError naming ``src`` if a received part fails its checksum."""
+    checksum = ctx.checksum
+    if checksum is not None and (not header.has_checksum or checksum(item) != header.checksum):
+        raise me.error(
+            ProtocolError,
+            f"the message from rank {src} ({me.address_of(src)}) failed its "
+            f"{integrity.checksum_name(checksum)} check: corrupted in flight; it was discarded",
+            op=op,
+            seq=seq,
+            peer=src,
+        )

@@ -24,16 +24,15 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import FerroGrpcError, Identity, ProtocolError
+from ..errors import FerroGrpcError
 from ..failure.watchdog import Watchdog
 from ..samehost.plane import SMALL, LocalPlane, split_small
-from ..transport import integrity, wire
 from ..transport.wire import bytes_view
 from ..v1 import collective_pb2 as pb
 from .context import RankContext
 from .exchange_plan import finish, mismatch, plan, received, wrong_size
 from .jobs import Job
-from .links import Links
+from .links import Links, check_part, send_parts
 
 
 class SmallRunner:
@@ -212,54 +211,3 @@ class SmallRunner:
         )
         for r, data in got.items():
             out[at_out[r] : at_out[r] + outs[r]].copy_(received(data, dtype, out.dtype))
-
-
-async def send_parts(
-    ctx: RankContext,
-    links: Links,
-    watch: Watchdog,
-    dst: int,
-    header: pb.ChunkHeader,
-    view: memoryview,
-    part: int,
-) -> None:
-    """Send ``view`` to ``dst`` on its link, in parts of at most ``part``
-    bytes: each with ``header`` (its lane the part's index, its offset the
-    whole message's size) and, when enabled, the part's checksum."""
-    total = view.nbytes
-    header.offset = total
-    for index, lo in enumerate(range(0, max(total, 1), part)):
-        piece = view[lo : lo + part]
-        header.lane = index
-        if ctx.checksum is not None:
-            header.checksum = ctx.checksum(piece)
-            header.has_checksum = True
-        await watch.wait(
-            f"s{dst}",
-            dst,
-            "a message to be accepted by",
-            links.send(dst, wire.encode(header, piece)),
-        )
-    ctx.stats.bytes_sent += total
-
-
-def check_part(
-    ctx: RankContext,
-    me: Identity,
-    op: str,
-    seq: int,
-    src: int,
-    header: pb.ChunkHeader,
-    item: memoryview,
-) -> None:
-    """Raise ProtocolError naming ``src`` if a received part fails its checksum."""
-    checksum = ctx.checksum
-    if checksum is not None and (not header.has_checksum or checksum(item) != header.checksum):
-        raise me.error(
-            ProtocolError,
-            f"the message from rank {src} ({me.address_of(src)}) failed its "
-            f"{integrity.checksum_name(checksum)} check: corrupted in flight; it was discarded",
-            op=op,
-            seq=seq,
-            peer=src,
-        )

@@ -24,9 +24,8 @@ from ..transport.wire import bytes_view
 from ..v1 import collective_pb2 as pb
 from .context import RankContext
 from .descriptor import describe_mismatch
-from .links import Links
+from .links import Links, check_part, send_parts
 from .mailboxes import P2P_KEY
-from .one_exchange import check_part, send_parts
 
 
 class PointToPoint:

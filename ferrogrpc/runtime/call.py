@@ -5,13 +5,21 @@ collective] in engine.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine, Generator
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from .engine import Engine
+from ..algorithms.jobs import Job
 from .placement import Placed
 
 T = TypeVar("T")
 U = TypeVar("U")
+
+
+class Runs(Protocol):
+    """Where a call runs: the rank's Engine."""
+
+    async def run(self, job: Job) -> None: ...
+
+    def run_here(self, job: Job) -> bool: ...
 
 
 class Call(Coroutine[Any, Any, T]):
@@ -22,7 +30,7 @@ class Call(Coroutine[Any, Any, T]):
     no hand-off to the loop and back. Either way it then copies the result
     back (``placed.after()``) and returns ``result()``."""
 
-    def __init__(self, engine: Engine, placed: Placed, result: Callable[[], T]) -> None:
+    def __init__(self, engine: Runs, placed: Placed, result: Callable[[], T]) -> None:
         self._engine = engine
         self._placed = placed
         self._result = result

@@ -18,6 +18,7 @@ from ..algorithms.exchange_plan import SMALL_BYTES
 from ..algorithms.jobs import JobTable
 from ..algorithms.mailboxes import Mailboxes
 from ..control.rendezvous import Rendezvous, RendezvousResult, StoreRendezvous
+from ..env import Settings
 from ..errors import Identity
 from ..failure.policy import FailurePolicy
 from ..lifecycle import Lifecycle
@@ -28,7 +29,6 @@ from ..transport.grpc_streams import HEADER_ROOM, GrpcTransport
 from ..transport.streams import Transport
 from .allocator import tune_allocator
 from .intake import Intake, Session, credential
-from .settings import Settings
 
 
 def message_limit(policy: ChunkPolicy) -> int:

@@ -23,6 +23,7 @@ from ..algorithms.jobs import Job
 from ..algorithms.p2p import PointToPoint
 from ..algorithms.staging import Stage
 from ..control.rendezvous import Rendezvous
+from ..env import Settings
 from ..errors import CollectiveTimeoutError, ConfigError, FerroGrpcError, Identity, PeerError
 from ..ops import ReduceOp
 from ..options import ChunkPolicy, Timeouts, TLSConfig
@@ -35,7 +36,6 @@ from .engine import Engine
 from .join import Parts, join
 from .placement import Placed, Placement
 from .refusal import CallChecks, group_count
-from .settings import Settings
 
 T = TypeVar("T")
 

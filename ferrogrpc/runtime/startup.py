@@ -1,45 +1,14 @@
-"""Starting a rank: ``init_backend`` reads the settings, picks the
-rendezvous (torch's TCPStore or the coordinator), binds where the master's
-network calls for, and starts the Backend's loop thread and peer."""
+"""``init_backend``: read the settings, pick the rendezvous (torch's TCPStore
+or the coordinator), and start a Backend through it (backend.py's
+``start_backend`` binds where the master's network calls for, and starts
+the loop thread and the peer)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import ipaddress
-import threading
-
-from ..control.rendezvous import Rendezvous, StoreRendezvous, route_host
-from ..errors import FerroGrpcError, RendezvousError
+from ..control.rendezvous import Rendezvous, StoreRendezvous
+from ..env import Settings
 from ..options import ChunkPolicy, Timeouts, TLSConfig
-from .allocator import tune_allocator
-from .backend import Backend
-from .peer import Peer
-from .settings import Settings
-from .threads import limit_thread_intraop
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-def _start_loop(threads: int) -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-
-    def run() -> None:
-        limit_thread_intraop(threads)
-        asyncio.set_event_loop(loop)
-        loop.call_soon(ready.set)
-        loop.run_forever()
-
-    thread = threading.Thread(target=run, name="ferrogrpc-loop", daemon=True)
-    thread.start()
-    ready.wait()
-    return loop, thread
+from .backend import Backend, start_backend
 
 
 def init_backend(
@@ -117,51 +86,3 @@ def init_backend(
         )
         target_host = addr
     return start_backend(s, rendezvous, target_host, rank, world_size)
-
-
-def start_backend(
-    s: Settings,
-    rendezvous: Rendezvous,
-    target_host: str,
-    rank: int | None = None,
-    world_size: int | None = None,
-) -> Backend:
-    """Start the loop thread and a peer joining through ``rendezvous``
-    (bound and advertised as ``target_host``, the master's or the
-    coordinator's host, calls for); return the Backend once the group formed.
-    Releases everything if it does not."""
-    connect = s.timeouts.connect
-    loopback = _is_loopback(target_host)
-    bind = s.bind_host or ("127.0.0.1" if loopback else "0.0.0.0")
-    advertise = s.advertise_host or ("127.0.0.1" if loopback else route_host(target_host))
-    # Before the loop thread allocates anything: it is to share one arena.
-    tune_allocator(s.malloc_tuning is not False, cap_arenas=not s.user_arena_max)
-    loop, thread = _start_loop(s.reduce_threads)
-    start = Peer.start(
-        rank,
-        world_size,
-        rendezvous=rendezvous,
-        bind_host=bind,
-        port=s.port,
-        advertise_host=advertise,
-        settings=s,
-    )
-    starting = asyncio.run_coroutine_threadsafe(start, loop)
-    try:
-        peer = starting.result(timeout=connect + 30)
-    except BaseException as exc:
-        # Cancelling the start closes whatever it had bound (Peer.start cleans
-        # up on any exception, cancellation included).
-        starting.cancel()
-        with contextlib.suppress(BaseException):
-            starting.result(timeout=10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        if not loop.is_running() and not loop.is_closed():
-            # Shuts down the loop's default executor, whose thread ran the
-            # rendezvous: left open, it would outlive the failed call.
-            loop.close()
-        if isinstance(exc, TimeoutError) and not isinstance(exc, FerroGrpcError):
-            raise RendezvousError(f"the group did not form within {connect + 30:g}s") from exc
-        raise
-    return Backend(peer, loop, thread)

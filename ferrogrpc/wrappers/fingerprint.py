@@ -6,12 +6,24 @@ the first difference."""
 from __future__ import annotations
 
 import json
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..runtime.backend import Backend
+
+
+class Gathers(Protocol):
+    """What the check needs of a Backend."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]: ...
 
 
 def _fingerprint(module: nn.Module) -> list[str]:
@@ -23,7 +35,7 @@ def _fingerprint(module: nn.Module) -> list[str]:
 
 
 def check_same_model(
-    module: nn.Module, backend: Backend, what: str, extra: list[str] | None = None
+    module: nn.Module, backend: Gathers, what: str, extra: list[str] | None = None
 ) -> None:
     """Raise ConfigError on every rank if the ranks' parameter names, shapes
     or dtypes differ, or their ``extra`` lines (a wrapper's layout), naming

@@ -1,6 +1,7 @@
 """ferrogrpc as a torch.distributed backend: ``dist.init_process_group("ferrogrpc")``.
 
-Importing ferrogrpc registers the backend for CPU and CUDA tensors. Each
+Importing ferrogrpc registers the backend for CPU and CUDA tensors
+(registration.py). Each
 process group (the default one, and every ``dist.new_group(...,
 backend="ferrogrpc")``) is an adapter over its own :class:`Backend`: the same
 engine, rendezvoused through the store torch hands the backend, so env://,
@@ -32,11 +33,10 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Work as _TorchWork
 
 from ..control.rendezvous import Activity, RendezvousResult, exchange_through_store, table_result
+from ..env import MASTER_ADDR_ENV, Settings
 from ..errors import ConfigError, FerroGrpcError, RendezvousError
-from ..runtime.backend import Backend
+from ..runtime.backend import Backend, start_backend
 from ..runtime.call import Call
-from ..runtime.settings import MASTER_ADDR_ENV, Settings
-from ..runtime.startup import start_backend
 from ..runtime.work import Work
 
 NAME = "ferrogrpc"
@@ -430,8 +430,9 @@ async def _returning(coro: Coroutine[Any, Any, Any], value: T) -> T:
     return value
 
 
-def _create(dist_opts: Any, pg_options: Any) -> FerroProcessGroup:
-    """torch's backend hook: one ferrogrpc Backend per process group."""
+def create(dist_opts: Any, pg_options: Any) -> FerroProcessGroup:
+    """torch's backend hook (registration.py): one ferrogrpc Backend per
+    process group."""
     store, rank, world = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
     s = Settings.from_env().merged(**_options(pg_options))
     if s.malloc_tuning is None:
@@ -443,28 +444,20 @@ def _create(dist_opts: Any, pg_options: Any) -> FerroProcessGroup:
     return FerroProcessGroup(backend, rank, world)
 
 
-def register() -> None:
-    """Register ``"ferrogrpc"`` with torch.distributed (once per process)."""
-    if NAME.upper() in dist.Backend._plugins:
-        return
-    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
-    # torch's monitored_barrier refuses every backend but gloo by name.
-    dist.monitored_barrier = monitored_barrier
-    dist.distributed_c10d.monitored_barrier = monitored_barrier
-
-
-_torch_monitored_barrier = dist.monitored_barrier
-
-
 def monitored_barrier(
-    group: Any = None, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False
+    torch_barrier: Callable[..., None],
+    group: Any = None,
+    timeout: datetime.timedelta | None = None,
+    wait_all_ranks: bool = False,
 ) -> None:
     """``torch.distributed.monitored_barrier``, which torch implements for
-    gloo only, extended to ferrogrpc's groups: a barrier that raises
-    CollectiveTimeoutError (naming the rank waited for) if it does not
-    complete within ``timeout``. Other backends go to torch's own."""
+    gloo only (it refuses every other backend by name), extended to
+    ferrogrpc's groups: a barrier that raises CollectiveTimeoutError (naming
+    the rank waited for) if it does not complete within ``timeout``. Other
+    backends go to torch's own, ``torch_barrier`` (registration.py puts
+    this one in its place)."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     if isinstance(pg, FerroProcessGroup):
         pg.monitored_barrier(timeout, wait_all_ranks)
         return
-    _torch_monitored_barrier(group, timeout, wait_all_ranks)
+    torch_barrier(group, timeout, wait_all_ranks)

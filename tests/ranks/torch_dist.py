@@ -18,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-import ferrogrpc as fg
+from ferrogrpc.wrappers.process_group import FerroProcessGroup
 
 TOL = 1e-6
 
@@ -259,7 +259,7 @@ def main() -> None:
     ddp(rank, world, gloo)
     checkpoint = os.environ.get("CHECKPOINT_DIR") or tempfile.mkdtemp()
     fsdp2_and_dcp(rank, world, checkpoint)
-    assert isinstance(dist.group.WORLD, fg.torch_backend.FerroProcessGroup)
+    assert isinstance(dist.group.WORLD, FerroProcessGroup)
     dist.destroy_process_group()
     sys.stdout.write("DONE\n")
 

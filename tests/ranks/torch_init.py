@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-import ferrogrpc as fg
+from ferrogrpc.wrappers.process_group import FerroProcessGroup
 
 
 def main() -> None:
@@ -41,7 +41,7 @@ def main() -> None:
     else:
         raise SystemExit(f"unknown mode {mode}")
     pg = dist.group.WORLD
-    assert isinstance(pg, fg.torch_backend.FerroProcessGroup), pg
+    assert isinstance(pg, FerroProcessGroup), pg
     t = torch.full((5,), float(dist.get_rank() + 1))
     dist.all_reduce(t)
     assert torch.equal(t, torch.full((5,), world * (world + 1) / 2)), t

@@ -1,4 +1,6 @@
-"""Settings: every environment variable ferrogrpc reads, read here and only here.
+"""The environment: every variable ferrogrpc reads, read here and only here,
+into a rank's :class:`Settings` (the option types themselves, such as
+``Timeouts``, are options.py's).
 
 :meth:`Settings.from_env` reads the process environment once;
 :meth:`Settings.merged` lays explicit arguments over it. ``init_backend`` and
@@ -13,9 +15,9 @@ import os
 from collections.abc import Mapping
 from typing import Any, Final
 
-from ..errors import ConfigError
-from ..options import ChunkPolicy, Timeouts, TLSConfig
-from ..transport.integrity import Checksum, checksum_by_name, default_checksum
+from .errors import ConfigError
+from .options import ChunkPolicy, Timeouts, TLSConfig
+from .transport.integrity import Checksum, checksum_by_name, default_checksum
 
 # torch's env:// variables, read when init_backend's arguments are left None.
 RANK_ENV: Final = "RANK"

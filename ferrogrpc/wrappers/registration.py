@@ -1,0 +1,102 @@
+"""Registering ``"ferrogrpc"`` with torch.distributed, without importing
+torch ourselves (see [Note: import without torch]).
+
+[Note: import without torch] ``import ferrogrpc`` must not import torch:
+the coordinator, its container healthcheck and ``ferrogrpc status`` use no
+torch, and importing it costs seconds of CPU (every 2 s, as a
+healthcheck). So the package loads its torch-using names on first use, and
+registers the backend with torch.distributed as soon as torch itself is
+loaded: at once when it already is, else the moment ``import torch``
+finishes (a one-shot import hook on the ``torch`` package). The
+registration imports nothing of ours: the process group is built, and its
+module imported, only when torch asks for one
+(``dist.init_process_group("ferrogrpc")``).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+NAME = "ferrogrpc"
+_lock = threading.Lock()
+
+
+def _create(*args: Any, **kwargs: Any) -> Any:
+    from .process_group import create
+
+    return create(*args, **kwargs)
+
+
+def register() -> None:
+    """Register ``"ferrogrpc"`` with torch.distributed (once per process),
+    and extend ``dist.monitored_barrier`` to its groups (torch implements it
+    for gloo only). torch must be loaded."""
+    import torch.distributed as dist
+
+    with _lock:
+        if NAME.upper() in dist.Backend._plugins:
+            return
+        dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+        torch_barrier = dist.monitored_barrier
+
+        def monitored_barrier(
+            group: Any = None, timeout: Any = None, wait_all_ranks: bool = False
+        ) -> None:
+            from .process_group import monitored_barrier as ours
+
+            ours(torch_barrier, group, timeout, wait_all_ranks)
+
+        monitored_barrier.__doc__ = torch_barrier.__doc__
+        dist.monitored_barrier = monitored_barrier
+        dist.distributed_c10d.monitored_barrier = monitored_barrier
+
+
+class _AfterTorch(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when ``torch`` is first imported, it wraps the
+    real loader so that :func:`register` runs once torch has finished
+    loading, then steps aside."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "torch":
+            return None
+        _remove_hook()
+        spec: importlib.machinery.ModuleSpec | None = None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if find is not None and (spec := find(fullname, path, target)) is not None:
+                break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_then_register(module: ModuleType) -> None:
+            exec_module(module)
+            register()
+
+        loader.exec_module = exec_then_register  # type: ignore[method-assign]
+        return spec
+
+
+_hook = _AfterTorch()
+
+
+def _remove_hook() -> None:
+    if _hook in sys.meta_path:
+        sys.meta_path.remove(_hook)
+
+
+def register_when_torch_loads() -> None:
+    """Register now if torch is loaded, else as soon as it is."""
+    if "torch" in sys.modules:
+        register()
+    elif _hook not in sys.meta_path:
+        sys.meta_path.insert(0, _hook)
