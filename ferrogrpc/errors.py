@@ -4,7 +4,7 @@ Every error carries the identity of where it happened (``rank``, ``world_size``,
 ``peer``, ``op``, ``seq``, ``step``) and prints it as a prefix, for example
 ``[rank 2/4 all_reduce#17 step 3 peer 1] ...``. It also carries the
 :class:`Evidence` behind it, set when it is built: the failure policy
-(``failure.py``) uses it to decide which rank to blame.
+(``failure/policy.py``) uses it to decide which rank to blame.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ class ChunkPolicy:
 
     Left as None, chunks are 1 MiB at world size 2 and 4 MiB beyond, on one
     lane, as measured on the 2-core reference machine with the choices
-    interleaved in one run (BENCHMARKS.md): each extra stream costs thread
+    interleaved in one run (docs/benchmarks-history.md): each extra stream costs thread
     wake-ups for every message, which cost more than the parallelism gains
     (1 MiB on 4 lanes took 16-21% longer at world size 2). More lanes can
     pay off where cores are plentiful. Every rank must use the same policy;

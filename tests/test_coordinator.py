@@ -523,7 +523,7 @@ def test_the_coordinator_process_with_a_token_and_a_stuck_stderr() -> None:
 
 
 async def test_a_late_join_wipes_the_table_but_not_the_running_job() -> None:
-    # What a coordinator without a token lets anyone do (README, Security):
+    # What a coordinator without a token lets anyone do (SECURITY.md):
     # a Join after the round completed starts a new round; the ranks of the
     # running job keep working, with correct results.
     coordinator = Coordinator(2)

@@ -1,5 +1,5 @@
 """What an unauthenticated network client can and cannot do to a running
-job: one test per claim of the README's Security section. The job runs as
+job: one test per claim of SECURITY.md. The job runs as
 real rank processes (tests/ranks/serve.py); the client is this test."""
 
 from __future__ import annotations

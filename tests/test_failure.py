@@ -1,4 +1,4 @@
-"""The failure policy (failure.py) driven directly, with no live group: a dead
+"""The failure policy (failure/policy.py) driven directly, with no live group: a dead
 neighbour, a relayed report, a rank's own finding, a cancelled sibling and
 a late report. And a lane run on the in-memory transport alone, without a
 Peer."""

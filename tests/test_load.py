@@ -1,6 +1,6 @@
 """Load: 3,800 small collectives back to back plus 64 in flight at once
 across 4 ranks, all results checked; RSS and open descriptors stay flat,
-within the margins BENCHMARKS.md reports."""
+within the margins docs/benchmarks-history.md reports."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import ferrogrpc as fg
 from tests.helpers import open_fds
 
-# What BENCHMARKS.md reports after warm-up: RSS within 13 MiB, no new
+# What docs/benchmarks-history.md reports after warm-up: RSS within 13 MiB, no new
 # descriptor. Held to that, not to a multiple of it: a leak of a few KiB per
 # collective shows.
 RSS_MARGIN = 13 << 20  # bytes

@@ -1,4 +1,4 @@
-"""The small path's Python reduction of tiny float tensors (small.py's
+"""The small path's Python reduction of tiny float tensors (exchange_plan.py's
 ``_reduce_tiny``) gives bitwise what torch's own adds give: every rank's
 values added in rank order, one float32 (or float64) add at a time, then
 divided by the world size for a mean. The reference is torch itself."""

@@ -4,7 +4,7 @@ When every rank shares one host, a small collective (``exchange_plan.is_small``:
 at most ``exchange_plan.SMALL_BYTES``, per rank's part for an all-gather or a
 reduce-scatter) is one exchange of messages on *direct sockets*: a
 Unix socket pair per pair of ranks, set up with the shared-memory plane
-(local.py), that the calling thread uses itself. A synchronous call runs
+(samehost/plane.py), that the calling thread uses itself. A synchronous call runs
 the exchange in the calling thread itself, as gloo does: no hand-off to the
 event loop and back, no asyncio task per message. An asynchronous one (or a
 call made while an earlier direct one is still running) runs the same
@@ -49,7 +49,7 @@ from .jobs import Job
 
 T = TypeVar("T")
 
-# The small collectives (small.py) that run on the direct sockets on one
+# The small collectives (one_exchange.py) that run on the direct sockets on one
 # host. A rank whose send finds the socket full reads from it meanwhile, so
 # two ranks that both send before they read never wait for each other.
 DIRECT_KINDS = frozenset(
@@ -70,7 +70,7 @@ REPORT_WAIT_S = 1.0
 
 def is_direct(desc: pb.Descriptor, itemsize: int) -> bool:
     """Whether a collective runs on the direct sockets (when every rank
-    shares this host): every small one (small.py) but all_to_all."""
+    shares this host): every small one (one_exchange.py) but all_to_all."""
     return desc.kind in DIRECT_KINDS and is_small(desc, itemsize, by_part=True)
 
 

@@ -36,7 +36,7 @@ def is_small(desc: pb.Descriptor, itemsize: int, *, by_part: bool) -> bool:
     ``by_part`` is for a group on one host, or with one rank per host:
     where several hosts hold several ranks each, one exchange would send
     every rank's part to every rank on the other hosts, several times the
-    cross-host bytes of the two-level path (hierarchy.py)."""
+    cross-host bytes of the two-level path (two_level.py)."""
     numel = desc.numel
     if by_part and desc.kind in (pb.ALL_GATHER, pb.REDUCE_SCATTER):
         numel = -(-numel // max(1, desc.world_size))

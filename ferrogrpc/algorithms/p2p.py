@@ -4,7 +4,7 @@ They are not collectives: only the two ranks take part, and they take no
 sequence number of the group's. Instead the n-th send from rank a to rank b
 with a tag matches b's n-th receive from a with that tag, as in
 torch.distributed. A message travels on the sender's long-lived link to the
-receiver (small.py's ``Links``), in parts of at most a chunk, each with the
+receiver (links.py's ``Links``), in parts of at most a chunk, each with the
 message's descriptor (dtype, element count), its size and a checksum; the
 receiver checks them against its own tensor and names the sender on any
 difference.

@@ -1,6 +1,6 @@
 """The ring schedule: which range of a flat tensor goes where at each step.
 
-Pure arithmetic, no I/O; the async driver in ``collectives.py`` streams it.
+Pure arithmetic, no I/O; the async driver in ``ring.py`` streams it.
 
 A collective on ``numel`` elements over ``world`` ranks cuts the tensor into
 ``world`` segments exactly as ``torch.tensor_split(t.flatten(), world)`` does,

@@ -169,7 +169,7 @@ class HierRunner:
             await runner.run()
         except Exception as exc:
             # The sibling rings are cancelled next: they tell their
-            # neighbours this failure, not their own cancellation (failure.py,
+            # neighbours this failure, not their own cancellation (failure/policy.py,
             # rule 4).
             for other in runners:
                 if other is not runner and other.watch.first_failure is None:

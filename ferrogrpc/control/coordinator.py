@@ -7,7 +7,7 @@ table and status, receives heartbeats, and answers ``grpc.health.v1``.
 
 With a token (``FERROGRPC_TOKEN``) every call without it is refused with
 UNAUTHENTICATED, and with ``FERROGRPC_TLS_*`` every connection is mutual
-TLS, exactly as between peers (grpc_auth.py); the ranks, ``ferrogrpc
+TLS, exactly as between peers (transport/auth.py); the ranks, ``ferrogrpc
 status`` and the healthcheck use the same settings. A joiner's identity is a
 random id only it knows, and a rank's slot belongs to exactly one live Join
 call. What a joiner may send is capped (see ``Limits``); a request that

@@ -1,7 +1,7 @@
 """The coordinator's clients: :class:`CoordinatorRendezvous`, how a rank
 joins a coordinator (coordinator.py) and heartbeats to it, and
 :func:`fetch_status`, what ``ferrogrpc status`` asks it. Both carry the
-token and mutual TLS of the rank's settings (grpc_auth.py)."""
+token and mutual TLS of the rank's settings (transport/auth.py)."""
 
 from __future__ import annotations
 

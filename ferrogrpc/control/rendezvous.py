@@ -28,7 +28,7 @@ class RendezvousResult:
     # Each rank's session nonce: a stream or abort claiming to come from rank
     # r must carry nonces[r].
     nonces: list[str]
-    # Each rank's host key (local.host_key): equal non-empty keys share memory.
+    # Each rank's host key (samehost.plane.host_key): equal non-empty keys share memory.
     hosts: list[str] = dataclasses.field(default_factory=list)
 
 

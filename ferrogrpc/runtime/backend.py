@@ -40,18 +40,43 @@ async def _drain(loop: asyncio.AbstractEventLoop) -> None:
 
 
 class Backend:
-    """Blocking collectives for synchronous training code.
+    """Blocking collectives for synchronous training code; made by
+    :func:`~ferrogrpc.init_backend`.
 
     Thread-safe: autograd hooks may call it from the backward thread while
-    the main thread does too. Every collective is a synchronization point
-    (see :class:`Peer`); its sequence number is taken when it is called, so
-    all ranks must *call* collectives in the same order. With
-    ``async_op=True`` a call returns a :class:`Work` at once.
+    the main thread does too. A private event-loop thread runs the asyncio
+    :class:`Peer` underneath; a small collective on one host runs in the
+    calling thread itself.
 
-    On failure a call raises the FerroGrpcError that names the rank, peer,
-    op and sequence number; the backend is then broken and every later call
-    raises at once with that cause. ``close()`` always works and is
-    idempotent.
+    Synchronizes: every collective (``all_reduce``, ``all_gather``,
+    ``all_gather_into_tensor``, ``reduce_scatter``, ``reduce_scatter_tensor``,
+    ``all_reduce_coalesced``, ``broadcast``, ``barrier``,
+    ``all_to_all_single``) is a synchronization point: all ranks call it, in
+    the same order, with matching shapes, dtypes, ops and roots. Its
+    sequence number is taken when it is *called*, so with ``async_op=True``
+    (a :class:`Work` returned at once) the call order is still the order.
+    ``send`` and ``recv`` are between two ranks only.
+
+    Attributes:
+        rank, world_size: this rank, and the group's size.
+        address: the gRPC address this rank advertises.
+        data_path: ``"shared memory"``, ``"two-level"`` or ``"grpc"``.
+        peer: the asyncio :class:`Peer` underneath.
+
+    Raises:
+        ConfigError: bad arguments (on this rank; every other rank's call of
+            the same collective fails at once naming this rank), or a call
+            after ``close()``.
+        ProtocolError: the ranks disagree (sizes, dtypes, ops, roots), or a
+            peer sent bad or corrupt data; every rank raises it.
+        PeerError: a peer failed, exited or is unreachable; every surviving
+            rank raises it, naming it.
+        CollectiveTimeoutError: a peer stalled past the idle timeout, or the
+            collective passed its deadline.
+
+    On failure the backend is *broken*: every later call raises at once
+    with the cause (a refusal of bad arguments is not a failure: the group
+    goes on). ``close()`` always works and is idempotent.
     """
 
     def __init__(

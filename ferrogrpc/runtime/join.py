@@ -1,4 +1,4 @@
-"""Bootstrap: from settings to the connected parts of one rank.
+"""Joining: from settings to the connected parts of one rank.
 
 :func:`join` binds the transport (whose stream intake holds early arrivals
 until the rank knows who it is), opens this rank's shared segment, joins the

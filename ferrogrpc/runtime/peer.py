@@ -1,6 +1,6 @@
 """The asyncio peer: one per rank. It joins the group, then runs collectives.
 
-:meth:`Peer.start` joins the group (bootstrap.py: the transport and the
+:meth:`Peer.start` joins the group (join.py: the transport and the
 stream intake, the rendezvous, the job table, the failure policy, the
 same-host plane) and composes the peer from those parts and the few it
 adds: the engine that numbers and runs every collective (engine.py), the
@@ -159,7 +159,7 @@ class Peer:
         the payload bytes) guards every chunk that crosses gRPC; all ranks
         must agree. ``shm`` (default on; ``FERROGRPC_SHM=0`` turns it off)
         lets ranks that share a host and a network namespace exchange tensor
-        bytes through shared memory (local.py).
+        bytes through shared memory (samehost/plane.py).
         ``placement`` builds how device tensors are staged (tests).
 
         Raises RendezvousError, or CollectiveTimeoutError if the ring does

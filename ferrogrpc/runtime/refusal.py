@@ -6,7 +6,7 @@ still takes its collective's sequence number, and every other rank is told:
 each fails that collective at once with a ConfigError naming this rank and
 the message, instead of waiting for this rank until the deadline. No data
 moves. Every rank's sequence moved alike, so the group stays usable (see
-failure.py for the one exception). The refusing rank raises its own error,
+failure/policy.py for the one exception). The refusing rank raises its own error,
 carrying the sequence number.
 """
 

@@ -30,31 +30,55 @@ def init_backend(
 ) -> Backend:
     """Join the group and return a blocking :class:`Backend`.
 
-    Arguments left None are read from ``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR`` and ``MASTER_PORT``, and the rendezvous is torch's env://
-    TCPStore at ``master_addr:master_port`` (hosted by rank 0, or by torchrun's
-    agent under ``TORCHELASTIC_USE_AGENT_STORE=True``). With
-    ``FERROGRPC_COORDINATOR=host:port`` (or ``coordinator=``) the coordinator
-    assigns the rank and world size instead.
+    Synchronizes: every rank of the group must call it; it returns once every
+    rank has joined and the ring has passed a barrier.
 
-    The gRPC server binds ``bind_host`` (``FERROGRPC_BIND_HOST``; default
-    127.0.0.1 when the master is on loopback, else 0.0.0.0) on ``port``
-    (``FERROGRPC_PORT``; default an ephemeral port) and advertises
-    ``advertise_host`` (``FERROGRPC_ADVERTISE_HOST``; default the local
-    address that routes to the master).
+    Args:
+        rank, world_size, master_addr, master_port: torch's env:// values;
+            left None, read from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+            ``MASTER_PORT``. The rendezvous is torch's TCPStore at
+            ``master_addr:master_port``, hosted by rank 0, or by torchrun's
+            agent under ``TORCHELASTIC_USE_AGENT_STORE=True`` (every rank is
+            then a client).
+        coordinator: ``"host:port"`` of a coordinator (``python -m server``;
+            or ``FERROGRPC_COORDINATOR``), which assigns the rank and the
+            world size instead: identical replicas need no RANK.
+        timeouts: the connect, idle and collective timeouts
+            (``FERROGRPC_CONNECT_TIMEOUT``, ``FERROGRPC_IDLE_TIMEOUT``,
+            ``FERROGRPC_TIMEOUT``).
+        chunk_policy: chunk size and lanes of the gRPC rings
+            (``FERROGRPC_CHUNK_BYTES``, ``FERROGRPC_LANES``).
+        bind_host: where the gRPC server binds (``FERROGRPC_BIND_HOST``;
+            default 127.0.0.1 when the master is on loopback, else 0.0.0.0).
+        advertise_host: the address the other ranks dial
+            (``FERROGRPC_ADVERTISE_HOST``; default the local address that
+            routes to the master, or to the coordinator).
+        port: the gRPC port (``FERROGRPC_PORT``; default an ephemeral one).
+        checksum: the chunk checksum: True or ``"crc32"`` (the default),
+            ``"crc32c"``, or False (``FERROGRPC_CHECKSUM``). All ranks must
+            agree: the choice travels in every descriptor.
+        tls: mutual TLS between peers (``FERROGRPC_TLS_CERT``, ``_KEY``,
+            ``_CA``).
+        token: a shared token every peer RPC must carry
+            (``FERROGRPC_TOKEN``); see SECURITY.md.
+        shm: whether ranks on one host (and network namespace) exchange
+            tensor bytes through shared memory (default True;
+            ``FERROGRPC_SHM=0`` turns it off). gRPC still carries control.
 
-    Security: ``tls`` (or ``FERROGRPC_TLS_CERT``/``_KEY``/``_CA``) turns on
-    mutual TLS between peers; ``token`` (or ``FERROGRPC_TOKEN``) makes every
-    peer refuse RPCs that do not carry the shared token. Chunks carry a
-    CRC-32 unless ``checksum=False`` (``FERROGRPC_CHECKSUM=0``);
-    ``checksum="crc32c"`` picks CRC32C instead (all ranks must agree; a
-    ConfigError names an unknown choice). Ranks that share a host and a
-    network namespace exchange tensor bytes through shared memory unless
-    ``shm=False`` (``FERROGRPC_SHM=0``); gRPC still carries everything else.
+    Returns:
+        A :class:`Backend` for this rank; close it (or use it as a context
+        manager) when done.
 
-    Returns once every rank has joined and the ring has passed a barrier.
-    Raises RendezvousError or CollectiveTimeoutError if that does not happen
-    within ``timeouts.connect``.
+    Raises:
+        ConfigError: a bad argument or environment variable (before anything
+            is bound).
+        RendezvousError: the group did not form within ``timeouts.connect``
+            (plus a margin), or the store or coordinator could not be reached.
+        CollectiveTimeoutError: the ring did not pass its first barrier
+            within ``timeouts.connect``.
+
+    On failure everything this call bound (ports, the store it hosts, the
+    loop thread) is released.
     """
     s = Settings.from_env().merged(
         rank=rank,

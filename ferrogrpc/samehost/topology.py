@@ -1,7 +1,7 @@
 """Which ranks share a host, and the two-level layout that follows from it.
 
 Pure bookkeeping, no I/O. Every rank publishes a *host key* at rendezvous
-(see ``local.host_key``): ranks with equal non-empty keys share memory and a
+(see ``plane.host_key``): ranks with equal non-empty keys share memory and a
 network namespace, so they exchange tensor bytes through shared memory; the
 others talk over gRPC. Every rank computes the same :class:`Topology` from
 the same table.

@@ -1,6 +1,6 @@
 """Authentication for every gRPC server and client ferrogrpc runs: the
 shared token (a server interceptor, and the metadata clients send) and
-mutual TLS (server and channel credentials). Peers (grpc_transport.py) and
+mutual TLS (server and channel credentials). Peers (transport/grpc_streams.py) and
 the coordinator (coordinator.py), with its status and healthcheck clients,
 use the same pieces, configured by the same settings (``FERROGRPC_TOKEN``,
 ``FERROGRPC_TLS_*``)."""

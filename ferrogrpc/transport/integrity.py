@@ -1,7 +1,7 @@
 """Chunk integrity: a 32-bit CRC of every payload.
 
 On by default. ``FERROGRPC_CHECKSUM`` (or ``init_backend(checksum=...)``;
-read in settings.py) picks it: ``crc32`` (the default; ``1``/``on`` mean the same), ``crc32c``, or
+read in env.py) picks it: ``crc32`` (the default; ``1``/``on`` mean the same), ``crc32c``, or
 ``0``/``off``.
 
 - CRC-32 is the IEEE 802.3 / zlib polynomial. It is computed with ISA-L (the

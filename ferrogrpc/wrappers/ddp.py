@@ -101,6 +101,24 @@ class DDP(nn.Module):
     backend's error and every ``.grad`` is left exactly as it was before the
     call (results are written back only after every bucket succeeded); the
     backend is then broken (see :class:`Backend`).
+
+    Args:
+        module: the model; every rank wraps the same one (names, shapes,
+            dtypes), starting from the same weights (a seed, or
+            ``broadcast_parameters()``).
+        backend: this rank's :class:`Backend`.
+        bucket_size_bytes: the most bytes of gradients one bucket holds
+            (default 25 MiB).
+        overlap: start each bucket's all-reduce during backward (default).
+        compression: None, ``"bf16"`` or ``"fp16"``: the dtype gradient
+            buckets cross gRPC in.
+
+    Raises:
+        ConfigError: a bad argument, or (on every rank) ranks wrapping
+            different models.
+        TypeError: ``module`` is not an ``nn.Module``.
+        FerroGrpcError: from ``sync_gradients()`` and ``broadcast_parameters()``,
+            what the backend raised (see :class:`Backend`).
     """
 
     def __init__(

@@ -88,6 +88,23 @@ class FSDP(nn.Module):
     last sync succeeded, so after a failure anywhere in the step every
     ``.grad`` is exactly as it was. The backend is then broken (see
     :class:`Backend`).
+
+    Args:
+        module: the model; every rank wraps the same one, starting from the
+            same weights (a seed, or a broadcast before wrapping).
+        backend: this rank's :class:`Backend`.
+        units: None (one unit), a set of module classes, or a predicate on
+            ``(qualified name, submodule)``: which submodules are units.
+        reshard_after_forward: free a unit's gathered parameters after its
+            forward (default), or keep them until its backward.
+
+    Raises:
+        ConfigError: a bad argument, an unsupported parameter dtype, or (on
+            every rank) ranks wrapping different models or units.
+        TypeError: ``module`` is not an ``nn.Module``.
+        FerroGrpcError: from forward, backward, ``sync_gradients()`` and the
+            collective state-dict calls, what the backend raised (see
+            :class:`Backend`).
     """
 
     def __init__(

@@ -1,18 +1,28 @@
 """ferrogrpc as a torch.distributed backend: ``dist.init_process_group("ferrogrpc")``.
 
-Importing ferrogrpc registers the backend for CPU and CUDA tensors
-(registration.py). Each
-process group (the default one, and every ``dist.new_group(...,
-backend="ferrogrpc")``) is an adapter over its own :class:`Backend`: the same
-engine, rendezvoused through the store torch hands the backend, so env://,
-``tcp://``, ``file://`` and ``store=`` all work as they do for gloo.
-Options come from the environment (``FERROGRPC_*``, as for ``init_backend``)
-or from ``pg_options``: a mapping of ``init_backend`` keyword arguments,
-e.g. ``pg_options={"token": "...", "shm": False}``.
+Importing ferrogrpc registers the backend for CPU and CUDA tensors (see
+[Note: import without torch] in registration.py). Each process group (the
+default one, and every ``dist.new_group(..., backend="ferrogrpc")``) is an
+adapter over its own :class:`Backend`: the same engine, rendezvoused
+through the store torch hands the backend, so env://, ``tcp://``,
+``file://`` and ``store=`` all work as they do for gloo.
 
-Every operation returns a torch ``Work`` over a future (``wait()``,
-``get_future()``); errors are ferrogrpc's, naming the rank, raised when
-torch waits. Operations torch has and the engine does not are composed from
+Options (``pg_options``): a mapping (or an object whose public attributes
+are) of :func:`~ferrogrpc.init_backend` keyword arguments, laid over the
+environment (``FERROGRPC_*``), e.g.
+``pg_options={"token": "...", "shm": False}``:
+
+    timeouts, chunk_policy, checksum, tls, token, shm, bind_host,
+    advertise_host, port
+
+Any other key is a ConfigError when the group is created.
+
+Synchronizes: every operation of torch's that is a collective is one here
+too (all ranks, same order); ``send``/``recv`` are between two ranks. Every
+operation returns a torch ``Work`` over a future (``wait()``,
+``get_future()``); errors are ferrogrpc's (naming the rank, the peer and
+the op), raised when torch waits, and on failure the group is broken as a
+Backend is. Operations torch has and the engine does not are composed from
 those it does: ``reduce`` is an all_reduce (every rank gets the result),
 ``gather`` an all_gather, ``scatter`` a broadcast of the root's tensors,
 ``alltoall`` an all_to_all of the flattened tensors.
@@ -432,7 +442,20 @@ async def _returning(coro: Coroutine[Any, Any, Any], value: T) -> T:
 
 def create(dist_opts: Any, pg_options: Any) -> FerroProcessGroup:
     """torch's backend hook (registration.py): one ferrogrpc Backend per
-    process group."""
+    process group.
+
+    Args:
+        dist_opts: torch's options: the group's store, rank and size.
+        pg_options: ``init_backend`` keyword arguments (see the module
+            docstring), or None.
+
+    Returns:
+        The process group, once every rank of it has joined.
+
+    Raises:
+        ConfigError: an unknown or bad option.
+        RendezvousError, CollectiveTimeoutError: as ``init_backend``.
+    """
     store, rank, world = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
     s = Settings.from_env().merged(**_options(pg_options))
     if s.malloc_tuning is None:
