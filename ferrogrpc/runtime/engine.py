@@ -261,6 +261,8 @@ class Engine:
             )
             self.plane.wake()
             await asyncio.wait([running])
+            if not running.cancelled():
+                running.exception()  # it raised what it was stopped for: seen
             raise
         except DeadlinePassedError:
             raise self._direct_deadline(job) from None
