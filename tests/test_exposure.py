@@ -27,7 +27,7 @@ from ferrogrpc.env import Settings
 from ferrogrpc.errors import Identity
 from ferrogrpc.runtime.intake import credential
 from ferrogrpc.runtime.join import message_limit
-from ferrogrpc.samehost.plane import _FRAME, HELLO, LocalPlane
+from ferrogrpc.samehost.plane import _FRAME, HELLO, LocalPlane, _socket_name
 from ferrogrpc.transport import wire
 from ferrogrpc.transport.auth import token_metadata
 from ferrogrpc.transport.grpc_streams import (
@@ -330,7 +330,7 @@ async def test_with_a_token_the_same_host_hello_needs_more_than_the_nonce(
         def rogue() -> tuple[bytes, int]:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
                 sock.settimeout(10)
-                sock.connect(b"\0ferrogrpc." + nonces[1].encode())
+                sock.connect(_socket_name(nonces[1]))
                 payload = struct.pack("<I", 0) + nonces[0].encode()
                 fd = os.memfd_create("rogue")
                 os.ftruncate(fd, planes[1].slots * planes[1].slot_bytes)

@@ -4,9 +4,18 @@ Each rank owns one shared segment (a ``memfd``: anonymous memory with no
 name in any file system, so nothing can outlive the processes that map it,
 SIGKILL included) and listens on an abstract Unix socket (a name in the
 network namespace, not a file). After the rendezvous, the ranks of a host
-connect pairwise, prove who they are with their session nonce, and pass
-each other their segment's file descriptor (SCM_RIGHTS); each maps the
+connect pairwise, prove who they are with their session credential, and
+pass each other their segment's file descriptor (SCM_RIGHTS); each maps the
 others' segments read-only.
+
+[Note: same-host admission] Every user of the network namespace can read
+the socket's name (``/proc/net/unix``), so the name carries no secret: it
+is a one-way hash of the rank's nonce. Both ends of every connection check
+the other's uid (``SO_PEERCRED``) before a byte is read: a process of
+another user is dropped at once. A process of the job's own user must
+still present the claimed rank's credential in its hello. Each hello is
+read on its own short deadline (``HELLO_S``), concurrently with the
+others: a connection that sends nothing never delays the real ranks.
 
 The connections then carry small signals, in order: a collective's
 descriptor when a rank begins it, and per round "my slot is written",
@@ -26,11 +35,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hashlib
 import hmac
 import mmap
 import os
+import select
 import socket
 import struct
+import time
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -76,6 +88,12 @@ SLOTS = 2
 
 DIRECT_SNDBUF = 1 << 20  # asked for on a direct socket (the kernel caps it)
 
+# How long an accepted connection has to present its hello (see [Note:
+# same-host admission]); a real rank sends it at once.
+HELLO_S = 2.0
+
+_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+
 # How long close() waits for signals still being written to be delivered.
 CLOSE_FLUSH_S = 2.0
 
@@ -96,7 +114,24 @@ def host_key(enabled: bool) -> str:
 
 
 def _socket_name(nonce: str) -> bytes:
-    return b"\0ferrogrpc." + nonce.encode()
+    """The abstract socket name of the rank that published ``nonce``: a
+    one-way hash of it, since anyone can read the name (see [Note: same-host
+    admission])."""
+    digest = hashlib.sha256(b"ferrogrpc same-host listener:" + nonce.encode()).hexdigest()
+    return b"\0ferrogrpc." + digest[:32].encode()
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return int(_UCRED.unpack(creds)[1])
+
+
+def _same_user(sock: socket.socket) -> bool:
+    try:
+        return peer_uid(sock) == os.getuid()
+    except OSError:
+        return False
 
 
 class _Link:
@@ -229,46 +264,99 @@ class LocalPlane:
         """Blocking: connect to higher-ranked peers, then accept the lower
         ones. The highest rank only accepts, so every wait ends. Each pair
         also gets a direct socket: the connecting rank's hello passes one
-        end of a new socket pair."""
+        end of a new socket pair. See [Note: same-host admission]."""
         out: dict[int, tuple[socket.socket, int, socket.socket]] = {}
-        for peer in (p for p in peers if p > rank):
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(timeout)
-            sock.connect(_socket_name(nonces[peer]))
-            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                self._hello(sock, rank, theirs)
-            finally:
-                theirs.close()
-            got, fd, _ = self._expect_hello(sock, proofs, 1)
-            if got != peer:
-                raise OSError(f"rank {peer}'s socket answered as rank {got}")
-            out[peer] = (sock, fd, mine)
-        lower = {p for p in peers if p < rank}
-        self.listener.settimeout(timeout)
-        while lower:
-            sock, _ = self.listener.accept()
-            sock.settimeout(timeout)
-            try:
-                got, fd, direct = self._expect_hello(sock, proofs, 2)
-            except OSError:
-                sock.close()  # a stranger: not a rank of this group
-                continue
-            assert direct is not None
-            if got not in lower:
+        try:
+            for peer in (p for p in peers if p > rank):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(timeout)
+                try:
+                    sock.connect(_socket_name(nonces[peer]))
+                    if not _same_user(sock):
+                        raise OSError(f"rank {peer}'s socket is held by another user")
+                    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                    try:
+                        self._hello(sock, rank, theirs)
+                    finally:
+                        theirs.close()
+                    got, fd, _ = self._expect_hello(sock, proofs, 1)
+                except BaseException:
+                    sock.close()
+                    raise
+                if got != peer:
+                    os.close(fd)
+                    mine.close()
+                    sock.close()
+                    raise OSError(f"rank {peer}'s socket answered as rank {got}")
+                out[peer] = (sock, fd, mine)
+            self._accept_lower(rank, {p for p in peers if p < rank}, proofs, timeout, out)
+        except BaseException:
+            for sock, fd, direct in out.values():
                 os.close(fd)
                 direct.close()
                 sock.close()
-                continue
-            self._hello(sock, rank)
-            lower.discard(got)
-            out[got] = (sock, fd, direct)
+            raise
         for sock, _, direct in out.values():
             sock.setblocking(False)
             direct.settimeout(None)
             with contextlib.suppress(OSError):  # the kernel caps it; best effort
                 direct.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, DIRECT_SNDBUF)
         return out
+
+    def _accept_lower(
+        self,
+        rank: int,
+        lower: set[int],
+        proofs: Sequence[str],
+        timeout: float,
+        out: dict[int, tuple[socket.socket, int, socket.socket]],
+    ) -> None:
+        """Accept the lower-ranked peers into ``out``. Every connection gets
+        HELLO_S to present its hello, all at once: one that sends nothing
+        (or too late, or as another user, or without the credential) is
+        dropped without delaying the others."""
+        end = time.monotonic() + timeout
+        waiting: dict[socket.socket, float] = {}  # accepted, hello not yet read
+        self.listener.setblocking(False)
+        try:
+            while lower:
+                now = time.monotonic()
+                for sock in [s for s, by in waiting.items() if by <= now]:
+                    del waiting[sock]
+                    sock.close()  # a stranger that said nothing in time
+                if now >= end:
+                    raise TimeoutError(f"ranks {sorted(lower)} of this host did not connect")
+                wait = min([end, *waiting.values()]) - now
+                readable, _, _ = select.select([self.listener, *waiting], [], [], wait)
+                for ready in readable:
+                    if ready is self.listener:
+                        with contextlib.suppress(BlockingIOError, InterruptedError):
+                            sock, _ = self.listener.accept()
+                            if _same_user(sock):
+                                waiting[sock] = time.monotonic() + min(HELLO_S, timeout)
+                            else:
+                                sock.close()  # another user: refused before a byte
+                        continue
+                    del waiting[ready]
+                    ready.settimeout(max(0.001, min(HELLO_S, end - time.monotonic())))
+                    try:
+                        got, fd, direct = self._expect_hello(ready, proofs, 2)
+                    except OSError:
+                        ready.close()  # a stranger: not a rank of this group
+                        continue
+                    assert direct is not None
+                    if got not in lower:
+                        os.close(fd)
+                        direct.close()
+                        ready.close()
+                        continue
+                    ready.settimeout(timeout)
+                    self._hello(ready, rank)
+                    lower.discard(got)
+                    out[got] = (ready, fd, direct)
+        finally:
+            for sock in waiting:
+                sock.close()
 
     def _hello(self, sock: socket.socket, rank: int, direct: socket.socket | None = None) -> None:
         payload = struct.pack("<I", rank) + self._proof.encode()
