@@ -220,6 +220,7 @@ def test_peer_public_surface_is_the_collectives_start_and_close() -> None:
         # point to point
         "send",
         "recv",
+        "recv_any",
         # read-only identity, as on Backend
         "rank",
         "world_size",

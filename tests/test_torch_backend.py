@@ -7,6 +7,8 @@ test suite."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 import ferrogrpc as fg
-from tests.helpers import run_ranks, run_torchrun
+from tests.helpers import RANKS, free_port, rank_env, run_ranks, run_torchrun
 
 # PyTorch's own tests (torch.testing._internal.distributed.distributed_test)
 # that exercise a backend's collectives on the CPU without naming gloo or
@@ -54,6 +56,9 @@ PYTORCH_TESTS = [
     "test_all_to_all_single_equal_split",
     "test_send_recv",
     "test_send_recv_with_tag",
+    "test_send_recv_any_source",
+    "test_send_recv_any_source_autograd_profiler",
+    "test_send_recv_any_source_torch_profiler",
     "test_isend",
     "test_irecv",
     "test_get_future",
@@ -113,3 +118,53 @@ def test_a_selection_of_pytorchs_own_distributed_tests(tmp_path: Path) -> None:
     assert not failed, failed
     assert len(results) == len(PYTORCH_TESTS) >= 15
     assert sys.modules.get("ferrogrpc") is not None
+
+
+@pytest.mark.timeout(120)
+def test_a_misused_op_is_refused_on_every_rank_at_once_and_nothing_misaligns() -> None:
+    # Rank 0 misuses each list-form op (a wrong shape, a wrong list length):
+    # it raises at once, every other rank fails the same op at once with a
+    # ConfigError naming rank 0, and the next collective still pairs up.
+    # gloo refuses each misuse too (tests/ranks/torch_misuse.py).
+    outputs = run_ranks("torch_misuse.py", 3, timeout=100)
+    cases = ["scatter", "all_gather", "all_gather_length", "gather", "reduce_scatter"]
+    for rank, out in enumerate(outputs):
+        for case in [*cases, "all_to_all"]:
+            assert f"OK {case}" in out, (rank, case, out)
+        assert "DONE" in out, (rank, out)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shm", "grpc"])
+def test_a_peer_sigkilled_under_torch_ddp_makes_the_survivor_raise_not_crash(shm: str) -> None:
+    # torch's reducer reads a comm hook's future in C++: a future failed
+    # only in Python read as a result with no tensors, and the survivor died
+    # with SIGSEGV. It must raise, naming the lost rank, as on gloo.
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(RANKS / "torch_ddp_kill.py")],
+            env=rank_env(rank, 2, port, FERROGRPC_SHM=shm),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outs = [p.communicate(timeout=100)[0] for p in procs]
+    assert procs[1].returncode == -signal.SIGKILL, (procs[1].returncode, outs[1])
+    assert procs[0].returncode == 3, (procs[0].returncode, outs[0][-3000:])
+    raised = [line for line in outs[0].splitlines() if line.startswith("RAISED")]
+    assert raised and "rank 1" in raised[0], outs[0][-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_destroy_then_init_again_three_times_in_one_process() -> None:
+    # Fixed store keys made the second group read the first one's addresses,
+    # and the other rank waited out the connect timeout (120 s).
+    outputs = run_ranks("torch_regroup.py", 2, timeout=100, env={"STORE_PORT": str(free_port())})
+    for rank, out in enumerate(outputs):
+        for how in ("store", "env"):
+            for i in range(3):
+                assert f"OK {how} {i}" in out, (rank, how, i, out)
+        assert "DONE" in out, (rank, out)

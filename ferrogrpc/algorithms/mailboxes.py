@@ -55,6 +55,9 @@ class Mailboxes:
             box = self._boxes[key] = Mailbox()
         return box
 
+    def has(self, key: MailboxKey) -> bool:
+        return key in self._boxes
+
     def full(self, key: MailboxKey) -> bool:
         return key not in self._boxes and len(self._boxes) >= self._limit
 

@@ -25,7 +25,7 @@ from ..v1 import collective_pb2 as pb
 from .context import RankContext
 from .descriptor import describe_mismatch
 from .links import Links, check_part, send_parts
-from .mailboxes import P2P_KEY
+from .mailboxes import P2P_KEY, Mailbox
 
 
 class PointToPoint:
@@ -47,6 +47,47 @@ class PointToPoint:
             n = self._counts.get(key, 0)
             self._counts[key] = n + 1
         return n
+
+    def _next(self, direction: str, peer: int, tag: int) -> int:
+        with self._lock:
+            return self._counts.get((direction, peer, tag), 0)
+
+    def _take_if(self, direction: str, peer: int, tag: int, n: int) -> bool:
+        """Take number ``n`` if it is the next one (nothing took it meanwhile)."""
+        key = (direction, peer, tag)
+        with self._lock:
+            if self._counts.get(key, 0) != n:
+                return False
+            self._counts[key] = n + 1
+            return True
+
+    async def recv_any(self, tensor: torch.Tensor, tag: int) -> int:
+        """Receive into contiguous CPU ``tensor`` the next message with
+        ``tag`` from whichever rank's arrives first; return that rank. Each
+        rank's messages are still taken in its order: this takes the next
+        one not yet claimed by a receive from that rank (a receive named
+        for a rank, called meanwhile, claims it first)."""
+        ctx, me = self.ctx, self.ctx.identity
+        senders = [r for r in range(me.world_size) if r != me.rank]
+        while True:
+            # Each rank's next unclaimed message. A box made here and left
+            # empty stays, for whichever receive takes that message later
+            # (a receive named for that rank may already wait on it): at
+            # most one per rank and tag.
+            boxes: dict[int, tuple[int, Mailbox]] = {}
+            for src in senders:
+                n = self._next("recv", src, tag)
+                boxes[src] = (n, ctx.mailboxes.get((P2P_KEY, tag, n, 0, src)))
+            if not any(box.arrived.done() for _, box in boxes.values()):
+                # No one rank to watch: the collective deadline bounds this.
+                await asyncio.wait(
+                    [box.arrived for _, box in boxes.values()],
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            for src, (n, box) in boxes.items():
+                if box.arrived.done() and self._take_if("recv", src, tag, n):
+                    await self.recv(tensor, src, tag, n)
+                    return src
 
     def _descriptor(self, tensor: torch.Tensor) -> pb.Descriptor:
         return pb.Descriptor(

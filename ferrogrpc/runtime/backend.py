@@ -425,6 +425,14 @@ class Backend:
         self._check()
         return self._submit(self._peer.recv(tensor, src, tag), "recv", async_op)
 
+    def recv_any(
+        self, tensor: torch.Tensor, tag: int = 0, *, async_op: bool = False
+    ) -> int | Work[int]:
+        """Receive the next message with ``tag`` from any rank into
+        ``tensor``; returns the sender's rank. See Peer.recv_any."""
+        self._check()
+        return self._submit(self._peer.recv_any(tensor, tag), "recv", async_op)
+
     def close(self) -> None:
         """Close the peer, stop the loop thread. Idempotent; safe after a failure."""
         with self._close_lock:

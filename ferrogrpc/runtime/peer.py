@@ -510,6 +510,38 @@ class Peer:
 
         return run()
 
+    def recv_any(self, tensor: torch.Tensor, tag: int = 0) -> Coroutine[Any, Any, int]:
+        """Receive into ``tensor`` the next message with ``tag`` from any
+        rank, whichever arrives first; returns the sender's rank. Each
+        rank's messages are still taken in order (see :meth:`send`); a
+        :meth:`recv` named for a rank, called meanwhile, takes its message
+        first. Waits up to the collective deadline."""
+        me = self._me
+        validate.tensor(me, tensor, "recv")
+        validate.writable(me, tensor, "recv")
+        validate.tag(me, tag, "recv")
+        if me.world_size < 2:
+            raise me.error(ConfigError, "a group of one has no other rank to receive from")
+        self._engine.check_open()
+        host = tensor.detach()
+        direct = host.device.type == "cpu" and host.is_contiguous()
+        target = host.view(-1) if direct else torch.empty(tensor.numel(), dtype=tensor.dtype)
+        job = Job(-1, "recv", pb.Descriptor(), target, ReduceOp.SUM)
+        sender = -1
+
+        async def receive() -> None:
+            nonlocal sender
+            sender = await self._p2p.recv_any(target, tag)
+
+        async def run() -> int:
+            await self._engine.point_to_point(job, receive)
+            if not direct:
+                with torch.no_grad():
+                    tensor.copy_(target.view(tensor.shape))
+            return sender
+
+        return run()
+
     def barrier(self) -> Call[None]:
         """Return once every rank has entered the barrier. Synchronization point."""
         self._engine.check_open()

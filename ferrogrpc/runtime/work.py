@@ -59,14 +59,14 @@ class Work(Generic[T]):
         """A ``torch.futures.Future`` completed with the result (or the
         error) when the collective finishes, as torch's ``Work.get_future()``
         is: DDP communication hooks chain on it."""
-        fut: torch.futures.Future[T] = torch.futures.Future()
+        source: torch.futures.Future[T] = torch.futures.Future()
 
         def complete(f: concurrent.futures.Future[T]) -> None:
             exc = f.exception()
             if exc is not None:
-                fut.set_exception(exc)  # type: ignore[arg-type]
+                source.set_exception(exc)  # type: ignore[arg-type]
             else:
-                fut.set_result(f.result())
+                source.set_result(f.result())
 
         def done(f: concurrent.futures.Future[T]) -> None:
             # Off the backend's loop thread: callbacks chained on the torch
@@ -74,8 +74,18 @@ class Work(Generic[T]):
             _completions().submit(complete, f)
 
         self._future.add_done_callback(done)
-        return fut
+        # set_exception stores the error as the future's *value* (unwrapped
+        # only in Python), so C++ code reading the future (torch DDP's reducer
+        # takes a comm hook's result) saw a result with no tensors, and the
+        # process died with SIGSEGV. A future chained with then() whose
+        # callback raises is failed in C++ itself: torch raises there.
+        return source.then(_unwrap)
 
     def exception(self) -> BaseException | None:
         """The error, once completed (None on success)."""
         return self._future.exception() if self._future.done() else None
+
+
+def _unwrap(fut: torch.futures.Future[T]) -> T:
+    """The result, or (for a failed collective) its error, raised."""
+    return fut.value()

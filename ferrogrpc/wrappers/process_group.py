@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import os
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -77,11 +78,18 @@ class TorchStoreRendezvous:
     def _exchange(self, address: str, nonce: str, host: str) -> list[dict[str, str]]:
         entry = {"address": address, "nonce": nonce, "host": host}
         try:
+            # Keys per round: a group destroyed and created again on the same
+            # store (the same prefix) must not read the last round's table.
+            # Every rank takes a ticket; the world_size tickets of one round
+            # are all taken before any rank of it returns (each waits for
+            # all), so rank order does not matter.
+            ticket = int(self.store.add("ferrogrpc/tickets", 1))
+            round_ = (ticket - 1) // self.world_size
             # torch owns this store (and keeps it for the group's life): no
             # read handshake, which only decides when a store we host may stop.
             return exchange_through_store(
                 self.store,
-                "ferrogrpc/",
+                f"ferrogrpc/{round_}/",
                 self.rank,
                 self.world_size,
                 entry,
@@ -166,6 +174,21 @@ class FerroWork(_TorchWork):
         self._work.wait()
 
 
+class _SourceWork(FerroWork):
+    """A receive from any source: its Work's result is the sender's rank,
+    and its future's the received tensors, as torch expects."""
+
+    def __init__(self, work: Work[int], tensors: Sequence[torch.Tensor]) -> None:
+        super().__init__(work)
+        self._tensors = list(tensors)
+        self._future = self._future.then(lambda _: self._tensors)
+
+    def _source_rank(self) -> int:
+        return int(self._work.wait())
+
+    source_rank = _source_rank
+
+
 class FerroProcessGroup(dist.ProcessGroup):
     """A torch ProcessGroup whose operations run on a ferrogrpc Backend."""
 
@@ -225,6 +248,39 @@ class FerroProcessGroup(dist.ProcessGroup):
 
         return self._run(name, run())
 
+    # ----------------------------------------------------------- checks
+
+    @contextlib.contextmanager
+    def _refusable(self, name: str, count: int = 1) -> Iterator[None]:
+        """Run this op's own argument checks (the list and shape rules torch's
+        list forms add to the engine's) as a collective's are: a failure
+        takes the ``count`` sequence numbers its collectives would have, and
+        every rank fails them at once naming this rank (refusal.py); the
+        error raises here, before anything is issued."""
+        with self.backend.peer._checks(name, lambda: count):
+            yield
+
+    def _bad(self, name: str, message: str) -> ConfigError:
+        return ConfigError(
+            message, rank=self.backend.rank, world_size=self.backend.world_size, op=name
+        )
+
+    def _list(self, name: str, what: str, items: Sequence[Any], length: int) -> None:
+        if len(items) != length:
+            raise self._bad(name, f"{what} has {len(items)} entries; expected {length}")
+
+    def _like(self, name: str, what: str, t: Any, ref: torch.Tensor) -> None:
+        """``t`` must be a tensor of ``ref``'s shape and dtype, as gloo
+        requires of every output and input of a list form."""
+        if not isinstance(t, torch.Tensor):
+            raise self._bad(name, f"{what} is a {type(t).__name__}, not a tensor")
+        if t.shape != ref.shape or t.dtype != ref.dtype:
+            raise self._bad(
+                name,
+                f"{what} is {tuple(t.shape)} {t.dtype}; it must match the input's "
+                f"{tuple(ref.shape)} {ref.dtype}",
+            )
+
     # ------------------------------------------------------- collectives
 
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> Any:
@@ -264,7 +320,13 @@ class FerroProcessGroup(dist.ProcessGroup):
     def allgather(
         self, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor], opts: Any
     ) -> Any:
-        peer = self.backend.peer
+        peer, name, world = self.backend.peer, "all_gather", self.size()
+        with self._refusable(name, len(inputs)):
+            self._list(name, "output_tensors", outputs, len(inputs))
+            for i, (out, t) in enumerate(zip(outputs, inputs, strict=True)):
+                self._list(name, f"output_tensors[{i}]", out, world)
+                for r, o in enumerate(out):
+                    self._like(name, f"output_tensors[{i}][{r}]", o, t)
 
         async def run() -> Any:
             for out, t in zip(outputs, inputs, strict=True):
@@ -279,7 +341,13 @@ class FerroProcessGroup(dist.ProcessGroup):
         self, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor], opts: Any
     ) -> Any:
         # outputs[r][i] receives rank r's inputs[i].
-        peer = self.backend.peer
+        peer, name = self.backend.peer, "all_gather_coalesced"
+        with self._refusable(name, len(inputs)):
+            self._list(name, "output_lists", outputs, self.size())
+            for r, out in enumerate(outputs):
+                self._list(name, f"output_lists[{r}]", out, len(inputs))
+                for i, t in enumerate(inputs):
+                    self._like(name, f"output_lists[{r}][{i}]", out[i], t)
 
         async def run() -> Any:
             for i, t in enumerate(inputs):
@@ -299,7 +367,9 @@ class FerroProcessGroup(dist.ProcessGroup):
     def all_gather_single_coalesced(
         self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], opts: Any = None
     ) -> Any:
-        peer = self.backend.peer
+        peer, name = self.backend.peer, "all_gather_into_tensor"
+        with self._refusable(name, len(inputs)):
+            self._list(name, "outputs", outputs, len(inputs))
 
         async def run() -> Any:
             for out, t in zip(outputs, inputs, strict=True):
@@ -313,7 +383,13 @@ class FerroProcessGroup(dist.ProcessGroup):
     def reduce_scatter(
         self, outputs: Sequence[torch.Tensor], inputs: Sequence[Sequence[torch.Tensor]], opts: Any
     ) -> Any:
-        peer = self.backend.peer
+        peer, name, world = self.backend.peer, "reduce_scatter", self.size()
+        with self._refusable(name, len(outputs)):
+            self._list(name, "input_lists", inputs, len(outputs))
+            for i, (out, parts) in enumerate(zip(outputs, inputs, strict=True)):
+                self._list(name, f"input_lists[{i}]", parts, world)
+                for r, part in enumerate(parts):
+                    self._like(name, f"input_lists[{i}][{r}]", part, out)
 
         async def run() -> Any:
             for out, parts in zip(outputs, inputs, strict=True):
@@ -332,7 +408,9 @@ class FerroProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(
         self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], opts: Any
     ) -> Any:
-        peer = self.backend.peer
+        peer, name = self.backend.peer, "reduce_scatter_tensor"
+        with self._refusable(name, len(inputs)):
+            self._list(name, "outputs", outputs, len(inputs))
 
         async def run() -> Any:
             for out, t in zip(outputs, inputs, strict=True):
@@ -346,7 +424,16 @@ class FerroProcessGroup(dist.ProcessGroup):
     def gather(
         self, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor], opts: Any
     ) -> Any:
-        root, me, peer = opts.rootRank, self.rank(), self.backend.peer
+        root, me, peer, name = opts.rootRank, self.rank(), self.backend.peer, "gather"
+        with self._refusable(name):
+            self._list(name, "input_tensors", inputs, 1)
+            if me == root:
+                self._list(name, "output_tensors", outputs, 1)
+                self._list(name, "output_tensors[0]", outputs[0], self.size())
+                for r, o in enumerate(outputs[0]):
+                    self._like(name, f"output_tensors[0][{r}]", o, inputs[0])
+            elif outputs and any(len(o) for o in outputs):
+                raise self._bad(name, f"only the root (rank {root}) may pass output tensors")
 
         async def run() -> Any:
             parts = await peer.all_gather(inputs[0])
@@ -361,6 +448,16 @@ class FerroProcessGroup(dist.ProcessGroup):
         self, outputs: Sequence[torch.Tensor], inputs: Sequence[Sequence[torch.Tensor]], opts: Any
     ) -> Any:
         root, me, world, peer = opts.rootRank, self.rank(), self.size(), self.backend.peer
+        name = "scatter"
+        with self._refusable(name):
+            self._list(name, "output_tensors", outputs, 1)
+            if me == root:
+                self._list(name, "input_tensors", inputs, 1)
+                self._list(name, "input_tensors[0]", inputs[0], world)
+                for r, t in enumerate(inputs[0]):
+                    self._like(name, f"input_tensors[0][{r}]", t, outputs[0])
+            elif inputs and any(len(i) for i in inputs):
+                raise self._bad(name, f"only the root (rank {root}) may pass input tensors")
         out = outputs[0]
 
         async def run() -> Any:
@@ -377,7 +474,15 @@ class FerroProcessGroup(dist.ProcessGroup):
     def alltoall(
         self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], opts: Any = None
     ) -> Any:
-        peer = self.backend.peer
+        peer, name, world = self.backend.peer, "all_to_all", self.size()
+        with self._refusable(name):
+            self._list(name, "output_tensors", outputs, world)
+            self._list(name, "input_tensors", inputs, world)
+            for r, (o, t) in enumerate(zip(outputs, inputs, strict=True)):
+                if not isinstance(o, torch.Tensor) or not isinstance(t, torch.Tensor):
+                    raise self._bad(name, f"entry {r} is not a tensor")
+                if o.dtype != inputs[0].dtype or t.dtype != inputs[0].dtype:
+                    raise self._bad(name, f"entry {r}'s dtype differs from the others'")
 
         async def run() -> Any:
             flat_in = torch.cat([t.reshape(-1) for t in inputs])
@@ -427,12 +532,13 @@ class FerroProcessGroup(dist.ProcessGroup):
         return self._run("recv", self.backend.peer.recv(tensors[0], src, tag))
 
     def recv_anysource(self, tensors: Sequence[torch.Tensor], tag: int = 0) -> Any:
-        raise ConfigError(
-            "the ferrogrpc backend needs the source of a recv: pass src=",
-            rank=self.rank(),
-            world_size=self.size(),
-            op="recv",
-        )
+        """``dist.recv(t)`` with no ``src``: the next message with ``tag``
+        from any rank; the Work's ``_source_rank()`` names the sender, as
+        gloo's does."""
+        sender = self.backend.peer.recv_any(tensors[0], tag)
+        work = self.backend.submit(sender, "recv", True)
+        assert isinstance(work, Work)
+        return _SourceWork(work, tensors)
 
 
 async def _returning(coro: Coroutine[Any, Any, Any], value: T) -> T:

@@ -1,0 +1,50 @@
+"""A rank program: destroy the ferrogrpc process group and create it again,
+three times in one process, through one explicit store and through env://;
+an all_reduce each time must be right. Prints ``OK <how> <i>`` and ``DONE``."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import ferrogrpc  # noqa: F401 - registers the "ferrogrpc" backend
+
+
+def check(rank: int, world: int) -> None:
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t)
+    assert t.tolist() == [world * (world + 1) / 2] * 4, t
+
+
+def main() -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=30)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["STORE_PORT"]),
+        world,
+        is_master=rank == 0,
+        timeout=timeout,
+    )
+    for i in range(3):
+        dist.init_process_group(
+            "ferrogrpc", store=store, rank=rank, world_size=world, timeout=timeout
+        )
+        check(rank, world)
+        dist.destroy_process_group()
+        print(f"OK store {i}", flush=True)
+    for i in range(3):
+        dist.init_process_group("ferrogrpc", timeout=timeout)
+        check(rank, world)
+        dist.destroy_process_group()
+        print(f"OK env {i}", flush=True)
+    print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
