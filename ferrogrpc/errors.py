@@ -28,6 +28,10 @@ class Evidence(enum.Enum):
     # The named peer cannot be reached at all: its server refuses
     # connections, so its process is gone.
     UNREACHABLE = "unreachable"
+    # The named peer's host gave no answer at all: a slow or lossy link, or
+    # a vanished host (a killed container swallows connection attempts).
+    # Only silence that lasts is a death (see [Note: liveness probe]).
+    SILENT = "silent"
     # Another rank's report of what it found, relayed to this rank.
     RELAYED = "relayed"
     # Another rank's own argument checks refused its call of this

@@ -5,10 +5,12 @@ A lane's sender and receiver wrap every wait on a neighbour in
 anything last completed. The watchdog task itself costs nothing per chunk:
 
 - after ``PROBE_S`` without progress it checks that the neighbours waited for
-  can still be reached at all; one that cannot be reached twice in a row (its
-  server refuses connections: its process is gone; or its host does not
-  answer them: a vanished host, a killed container) is named at once, as a
-  PeerError;
+  can still be reached at all: one whose server refuses connections twice
+  in a row (its process is gone) is named at once, as a PeerError; one
+  whose host gives no answer at all (a slow or lossy link, or a vanished
+  host: a killed container) is named only once that silence has lasted
+  :func:`silence_bound` of the idle timeout (see [Note: liveness probe] in
+  transport/grpc_streams.py);
 - after a whole idle timeout without progress it pings them; one whose event
   loop does not answer within another idle timeout is stuck, and named in a
   CollectiveTimeoutError. One that answers is only waiting itself (upstream
@@ -34,6 +36,18 @@ PROBE_S = 2.0
 # A neighbour refused once is probed again this soon, not a whole tick later:
 # the second refusal is what names it.
 RECHECK_S = 0.25
+# Silence from a neighbour's host is a death once it has lasted this share of
+# the idle timeout, and never less than SILENCE_MIN_S: a link with a round
+# trip of seconds, or SYNs lost several times over, is still a link.
+SILENCE_SHARE = 0.25
+SILENCE_MIN_S = 4.0
+
+
+def silence_bound(idle: float) -> float:
+    """How long a neighbour's host may give no answer at all before the
+    watchdog calls it gone: a quarter of the idle timeout, at least
+    SILENCE_MIN_S, at most the idle timeout itself."""
+    return min(idle, max(SILENCE_MIN_S, idle * SILENCE_SHARE))
 
 
 class Watchdog:
@@ -139,6 +153,7 @@ class Watchdog:
         idle = self.idle
         probe = min(PROBE_S, idle)
         refused: set[int] = set()
+        silent: dict[int, float] = {}  # neighbour -> when its silence began
         while True:
             # Ticks of a quarter of the probe delay: the first probe comes
             # at most probe * 1.25 after the last progress.
@@ -149,9 +164,10 @@ class Watchdog:
             stalled = time.monotonic() - self.progress_at
             if stalled < probe:
                 refused.clear()  # progress since: refusals must be consecutive
+                silent.clear()
                 continue
             if stalled < idle:
-                await self._probe(probe, refused)
+                await self._probe(probe, refused, silent)
                 continue
             for neighbour, what in list(self.waiting.values()):
                 try:
@@ -166,14 +182,31 @@ class Watchdog:
                     ) from None
             self.progress_at = time.monotonic()
 
-    async def _probe(self, timeout: float, refused: set[int]) -> None:
+    async def _probe(self, timeout: float, refused: set[int], silent: dict[int, float]) -> None:
         """Raise PeerError for a waited-for neighbour whose server refused
-        two probes in a row; an answer, or no answer yet, is left to the
+        two probes in a row, or whose host has given no answer for
+        :func:`silence_bound`; an answer, or no answer yet, is left to the
         idle-timeout check."""
+        bound = silence_bound(self.idle)
         for neighbour, what in list(self.waiting.values()):
             try:
                 await self.transport.ping(neighbour, timeout=timeout)
             except FerroGrpcError as exc:
+                if exc.evidence is Evidence.SILENT:
+                    refused.discard(neighbour)
+                    since = silent.setdefault(neighbour, time.monotonic() - timeout)
+                    if time.monotonic() - since >= bound:
+                        raise self._error(
+                            PeerError,
+                            f"waiting for {what} rank {neighbour} "
+                            f"({self.identity.address_of(neighbour)}), which is gone: its host "
+                            f"has not answered for {time.monotonic() - since:.1f}s "
+                            f"({exc.message})",
+                            neighbour,
+                            Evidence.UNREACHABLE,
+                        ) from None
+                    continue
+                silent.pop(neighbour, None)
                 if exc.evidence is not Evidence.UNREACHABLE:
                     refused.discard(neighbour)  # reachable, if slow: not gone
                     continue
@@ -189,3 +222,4 @@ class Watchdog:
                 refused.add(neighbour)
             else:
                 refused.discard(neighbour)
+                silent.pop(neighbour, None)

@@ -21,12 +21,17 @@ SEND_METHOD = f"/{SERVICE}/Send"
 ABORT_METHOD = f"/{SERVICE}/Abort"
 PING_METHOD = f"/{SERVICE}/Ping"
 
-# How long a ping waits for the peer's kernel to accept a TCP connection.
-# The kernel completes the handshake even while the peer's process is busy or
-# stopped, within a round trip; a refusal means the process is gone, and no
-# answer that the host is (a killed container's address swallows connection
-# attempts instead of refusing them, for as long as gRPC's own 20 s connect
-# deadline).
+# [Note: liveness probe] A ping first asks the peer's kernel to accept a TCP
+# connection: the kernel completes the handshake even while the peer's
+# process is busy or stopped, within a round trip. A refusal (or the host's
+# network saying it cannot be reached) means the process is gone: that is an
+# answer, Evidence.UNREACHABLE. No answer is not one: a slow link (a round
+# trip of half a second or more), lost SYNs and a vanished host (a killed
+# container swallows connection attempts) all look alike at first. So the
+# attempts start at TCP_CONNECT_S and double, within the ping's timeout,
+# and silence through all of them is Evidence.SILENT, which the watchdog
+# calls a death only once it has lasted a bound derived from the idle
+# timeout (watchdog.silence_bound).
 TCP_CONNECT_S = 0.5
 
 ERROR_KEY = "ferrogrpc-error"
@@ -333,32 +338,55 @@ class GrpcTransport(Transport):
             raise translate(exc, dst, self.addresses[dst], "abort") from exc
 
     async def ping(self, dst: int, timeout: float) -> None:
-        await self._check_reachable(dst, min(timeout, TCP_CONNECT_S))
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        await self._check_reachable(dst, timeout)
         method = self._channel(dst, 0).unary_unary(
             PING_METHOD, request_serializer=_identity, response_deserializer=_identity
         )
         try:
-            await method(b"", timeout=timeout, metadata=self._metadata)
+            left = max(end - loop.time(), min(timeout, TCP_CONNECT_S))
+            await method(b"", timeout=left, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise translate(exc, dst, self.addresses[dst], "ping") from exc
 
     async def _check_reachable(self, dst: int, timeout: float) -> None:
-        """Raise PeerError (unreachable) unless ``dst``'s host accepts a TCP
-        connection to its port within ``timeout`` (see TCP_CONNECT_S)."""
+        """Raise PeerError unless ``dst``'s host accepts a TCP connection to
+        its port within ``timeout``: at once (UNREACHABLE) on a refusal, or
+        (SILENT) after attempts of TCP_CONNECT_S, then twice as long each,
+        none answered. See [Note: liveness probe]."""
         address = self.addresses[dst]
         host, _, port = address.rpartition(":")
-        try:
-            async with asyncio.timeout(timeout):
-                _, writer = await asyncio.open_connection(host.strip("[]"), int(port))
-        except (OSError, TimeoutError) as exc:
-            reason = f"no answer within {timeout:g}s" if isinstance(exc, TimeoutError) else exc
-            raise PeerError(
-                f"ping: rank {dst} at {address} accepts no connection ({reason})",
-                peer=dst,
-                peer_address=address,
-                evidence=Evidence.UNREACHABLE,
-            ) from exc
-        writer.close()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        attempt = TCP_CONNECT_S
+        tried = 0.0
+        while True:
+            wait = min(attempt, max(end - loop.time(), 0.0))
+            try:
+                async with asyncio.timeout(wait):
+                    _, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+            except TimeoutError as exc:
+                tried += wait
+                if loop.time() < end - 1e-3:
+                    attempt *= 2
+                    continue
+                raise PeerError(
+                    f"ping: rank {dst} at {address} gave no answer to connection attempts "
+                    f"for {tried:.1f}s",
+                    peer=dst,
+                    peer_address=address,
+                    evidence=Evidence.SILENT,
+                ) from exc
+            except OSError as exc:
+                raise PeerError(
+                    f"ping: rank {dst} at {address} accepts no connection ({exc})",
+                    peer=dst,
+                    peer_address=address,
+                    evidence=Evidence.UNREACHABLE,
+                ) from exc
+            writer.close()
+            return
 
     async def close(self) -> None:
         channels = list(self._channels.values())
