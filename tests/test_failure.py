@@ -219,3 +219,19 @@ async def test_a_lane_runs_on_the_memory_transport_without_a_peer() -> None:
     assert isinstance(found, BaseExceptionGroup), results
     assert isinstance(found.exceptions[0], ProtocolError), results
     assert "rank 2 has reduce_op=sum, rank 1 has reduce_op=max" in str(found.exceptions[0])
+
+
+async def test_a_peer_found_unreachable_is_not_sent_the_abort() -> None:
+    # Its process or host is gone: a notice could only wait out its timeout,
+    # and hold up close() by as much. Every other rank is told.
+    policy, notifier, _ = _policy(alive={1, 3})
+    gone = PeerError("rank 2 cannot be reached", peer=2, evidence=Evidence.UNREACHABLE)
+    policy.declare(ME.stamp(gone, "all_reduce", 7), broadcast=True)
+    await policy.drain(2.0)
+    assert sorted(dst for dst, _ in notifier.aborts) == [1, 3], notifier.aborts
+    # A rank named for anything else is told like the others.
+    policy, notifier, _ = _policy(alive={1, 2, 3})
+    found = ProtocolError("rank 2 sent a corrupt chunk", peer=2)
+    policy.declare(ME.stamp(found, "all_reduce", 8), broadcast=True)
+    await policy.drain(2.0)
+    assert sorted(dst for dst, _ in notifier.aborts) == [1, 2, 3], notifier.aborts

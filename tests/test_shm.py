@@ -171,3 +171,21 @@ async def test_a_rank_that_closes_fails_only_the_waits_for_it() -> None:
             await asyncio.wait_for(p1.first(0, 901), 10)
         assert info.value.peer == 0
         assert p1.failed is None
+
+
+async def test_close_closes_every_same_host_socket_at_once() -> None:
+    # Not left to the garbage collector: the sockets are held here, so a
+    # socket close() forgot would still be open after it.
+    async with fg.testing.local_group(3, transport="shm") as peers:
+        planes = [p._plane for p in peers]
+        socks = []
+        for plane in planes:
+            assert plane is not None
+            socks += [plane.listener, plane.wake_r]
+            for link in plane.links.values():
+                assert link.direct is not None
+                socks += [link.direct, link.writer.get_extra_info("socket")]
+        assert all(s.fileno() >= 0 for s in socks[1:2])  # open while the job runs
+    open_after = [s for s in socks if s.fileno() >= 0]
+    assert not open_after, open_after
+    assert all(plane is not None and plane.fd == -1 for plane in planes)  # the segments too

@@ -65,14 +65,22 @@ def collectives(rank: int, world: int, gloo: dist.ProcessGroup) -> None:
     ok("all_gather all_gather_into_tensor")
 
     parts = [x * (i + 1) for i in range(world)]
-    rs = [torch.empty(37, dtype=torch.float64) for _ in range(2)]
-    dist.reduce_scatter(rs[0], [p.clone() for p in parts])
-    dist.reduce_scatter(rs[1], [p.clone() for p in parts], group=gloo)
-    same(*rs, "reduce_scatter")
     whole = torch.cat(parts)
-    dist.reduce_scatter_tensor(rs[0], whole.clone())
-    dist.reduce_scatter_tensor(rs[1], whole.clone(), group=gloo)
-    same(*rs, "reduce_scatter_tensor")
+    # Every op, in both forms: an op the adapter dropped would show as SUM.
+    for op in ("SUM", "MAX", "MIN", "PRODUCT"):
+        rop = getattr(dist.ReduceOp, op)
+        rs = [torch.empty(37, dtype=torch.float64) for _ in range(2)]
+        dist.reduce_scatter(rs[0], [p.clone() for p in parts], op=rop)
+        dist.reduce_scatter(rs[1], [p.clone() for p in parts], op=rop, group=gloo)
+        same(*rs, f"reduce_scatter {op}")
+        dist.reduce_scatter_tensor(rs[0], whole.clone(), op=rop)
+        dist.reduce_scatter_tensor(rs[1], whole.clone(), op=rop, group=gloo)
+        same(*rs, f"reduce_scatter_tensor {op}")
+        co = [[x.clone(), (x * 2).clone()] for _ in range(2)]
+        dist.all_reduce_coalesced(co[0], op=rop)
+        dist.all_reduce_coalesced(co[1], op=rop, group=gloo)
+        for a, b in zip(*co, strict=True):
+            same(a, b, f"all_reduce_coalesced {op}")
     ok("reduce_scatter reduce_scatter_tensor")
 
     for root in range(world):
@@ -80,11 +88,12 @@ def collectives(rank: int, world: int, gloo: dist.ProcessGroup) -> None:
         dist.broadcast(bc[0], root)
         dist.broadcast(bc[1], root, group=gloo)
         same(*bc, f"broadcast {root}")
-        rd = [x.clone(), x.clone()]
-        dist.reduce(rd[0], root)
-        dist.reduce(rd[1], root, group=gloo)
-        if rank == root:
-            same(*rd, f"reduce {root}")
+        for op in ("SUM", "MAX"):
+            rd = [x.clone(), x.clone()]
+            dist.reduce(rd[0], root, op=getattr(dist.ReduceOp, op))
+            dist.reduce(rd[1], root, op=getattr(dist.ReduceOp, op), group=gloo)
+            if rank == root:
+                same(*rd, f"reduce {root} {op}")
         gl = [[torch.empty(37, dtype=torch.float64) for _ in range(world)] for _ in range(2)]
         dist.gather(x, gl[0] if rank == root else None, dst=root)
         dist.gather(x, gl[1] if rank == root else None, dst=root, group=gloo)

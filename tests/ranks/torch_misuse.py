@@ -9,6 +9,7 @@ which gloo starts and then waits in. Prints ``OK <case>`` lines and
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -97,6 +98,27 @@ def main() -> None:
         assert t.tolist() == [0.0, 0.0, 0.0], (name, t)
         sys.stdout.write(f"OK {name}\n")
         sys.stdout.flush()
+    # The others' Work of a refused op: completed, failed, and says so.
+    outs = [torch.empty((2, 4) if rank == 0 else (4,)) for _ in range(world)]
+    x = torch.ones(4)
+    if rank == 0:
+        with contextlib.suppress(ValueError):
+            dist.all_gather(outs, x)
+    else:
+        work = dist.all_gather(outs, x, async_op=True)
+        assert work is not None
+        try:
+            work.wait()
+        except fg.ConfigError:
+            pass
+        else:
+            raise AssertionError("a refused op's Work waited without an error")
+        assert work.is_completed() and not work.is_success(), "is_success() of a failed op"
+        assert work.exception() is not None
+    t = torch.full((3,), float(rank))
+    dist.broadcast(t, src=0)
+    assert t.tolist() == [0.0, 0.0, 0.0]
+    sys.stdout.write("OK work\n")
     dist.destroy_process_group()
     sys.stdout.write("DONE\n")
 

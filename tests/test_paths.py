@@ -1,0 +1,153 @@
+"""Every collective above the small-collective bound, through each path a
+large tensor takes: rings over gRPC and over the in-memory transport, rounds
+through shared segments (tiny slots, each reused many times), and two levels
+(2x2, 2+1); every op, MEAN included, a broadcast from a non-lowest root, and
+a narrower wire dtype. Results against float64 references (tests/conformance.py),
+and each path checked to be the one that ran."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import pytest
+import torch
+
+import ferrogrpc as fg
+from ferrogrpc.algorithms.exchange_plan import SMALL_BYTES
+from ferrogrpc.algorithms.jobs import Job
+from ferrogrpc.runtime.engine import Engine
+from ferrogrpc.samehost import plane as samehost_plane
+from tests.conformance import (
+    check_all_gather,
+    check_all_reduce,
+    check_broadcast,
+    check_reduce_scatter,
+    check_reduce_scatter_tensor,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+# One rank's part just above the bound: every op here runs the long way.
+PART = SMALL_BYTES // 4 + 1000
+CHUNKS = fg.ChunkPolicy(chunk_bytes=32 << 10, max_lanes=2, lane_min_bytes=64 << 10)
+PATHS = {
+    # name: (world, transport, hosts, the runner that must run)
+    "grpc ring": (3, "grpc", None, "ring"),
+    "memory ring": (3, "memory", None, "ring"),
+    "shared-memory rounds": (3, "shm", None, "LocalRunner"),
+    "two-level 2x2": (4, "shm", ["a", "a", "b", "b"], "HierRunner"),
+    "two-level 2+1": (3, "shm", ["a", "a", "b"], "HierRunner"),
+}
+
+
+def _record_runners(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
+    seen: collections.Counter[str] = collections.Counter()
+    pick = Engine._runner
+
+    def recording(self: Engine, job: Job) -> object:
+        run, here = pick(self, job)
+        owner = getattr(run, "__self__", None)
+        name = type(owner).__name__ if owner is not None else "ring"
+        seen["Direct" if job.direct else name] += 1
+        return run, here
+
+    monkeypatch.setattr(Engine, "_runner", recording)
+    return seen
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+async def test_every_op_above_the_small_bound_on_every_path(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    world, transport, hosts, runner = PATHS[path]
+    # Tiny slots: a collective takes many rounds, and every slot is reused.
+    monkeypatch.setattr(samehost_plane, "SLOT_BYTES", 4096)
+    seen = _record_runners(monkeypatch)
+    async with fg.testing.local_group(
+        world,
+        transport=transport,  # type: ignore[arg-type]
+        hosts=hosts,
+        chunk_policy=CHUNKS,
+    ) as peers:
+        seed = 100
+        for dtype in (torch.float32, torch.int32):
+            ops = ["sum", "mean", "max", "min"] if dtype.is_floating_point else ["sum", "max"]
+            for op in ops:
+                seed += 1
+                await check_all_reduce(peers, (PART,), dtype, op, seed)
+                if op in ("sum", "mean"):
+                    await check_reduce_scatter(peers, (world * PART,), dtype, op, seed)
+            await check_all_gather(peers, (PART,), dtype, seed)
+            await check_reduce_scatter_tensor(peers, PART, dtype, seed)
+            # From every root: the non-lowest ranks of a host included.
+            for root in range(world):
+                await check_broadcast(peers, (PART,), dtype, root, seed + root)
+        await asyncio.gather(*(p.barrier() for p in peers))
+    # Only the barriers are small (one exchange, or the direct sockets).
+    assert set(seen) - {"SmallRunner", "Direct"} == {runner}, seen
+    assert seen[runner] >= 20, seen
+
+
+@pytest.mark.parametrize("path", ["grpc ring", "two-level 2x2"])
+async def test_a_bfloat16_wire_gives_every_rank_the_same_values(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Across gRPC every rank's values (its own included) are rounded to the
+    # wire dtype, so all ranks hold bitwise the same result, within the bound.
+    world, transport, hosts, _ = PATHS[path]
+    monkeypatch.setattr(samehost_plane, "SLOT_BYTES", 4096)
+    async with fg.testing.local_group(
+        world,
+        transport=transport,  # type: ignore[arg-type]
+        hosts=hosts,
+        chunk_policy=CHUNKS,
+    ) as peers:
+        gen = torch.Generator().manual_seed(7)
+        inputs = [torch.randn(PART, generator=gen) for _ in range(world)]
+        tensors = [t.clone() for t in inputs]
+        await asyncio.gather(
+            *(
+                p.all_reduce(t, "sum", wire_dtype=torch.bfloat16)
+                for p, t in zip(peers, tensors, strict=True)
+            )
+        )
+        exact = torch.stack([t.double() for t in inputs]).sum(0)
+        bound = world * 2**-8 * torch.stack([t.double().abs() for t in inputs]).sum(0)
+        for t in tensors:
+            assert torch.equal(t, tensors[0])
+            assert ((t.double() - exact).abs() <= bound + 1e-6).all()
+        outs = [torch.empty(world * PART) for _ in range(world)]
+        await asyncio.gather(
+            *(
+                p.all_gather_into_tensor(o, t, wire_dtype=torch.bfloat16)
+                for p, o, t in zip(peers, outs, inputs, strict=True)
+            )
+        )
+        if hosts is None:
+            # A ring: every block crosses gRPC in bfloat16, its own included.
+            expected = torch.cat([t.to(torch.bfloat16).float() for t in inputs])
+        else:
+            # Two levels gather exactly (an integer sum): no wire dtype there.
+            expected = torch.cat(inputs)
+        for o in outs:
+            assert torch.equal(o, expected)
+
+
+@pytest.mark.parametrize("path", ["shared-memory rounds", "two-level 2x2"])
+async def test_a_root_that_runs_ahead_never_reuses_a_slot_still_being_read(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fresh group's first collective is a broadcast: the root only writes,
+    # so it runs rounds ahead of its readers, and must wait for them before
+    # it writes over a slot (the plane's round counter starts here: the
+    # first reuse is the one that counts).
+    world, transport, hosts, _ = PATHS[path]
+    monkeypatch.setattr(samehost_plane, "SLOT_BYTES", 4096)
+    async with fg.testing.local_group(
+        world,
+        transport=transport,  # type: ignore[arg-type]
+        hosts=hosts,
+        chunk_policy=CHUNKS,
+    ) as peers:
+        await check_broadcast(peers, (PART,), torch.float32, world - 1, seed=3)
