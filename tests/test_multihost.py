@@ -138,6 +138,10 @@ def test_compose_services_train_across_network_namespaces(layout: str) -> None:
         "FERROGRPC_TOKEN": f"compose-token-{layout}",
     }
     coord_cmd, coord_env = _service(services["coordinator"], host_env)
+    # Compose's coordinator ends once its run's ranks have left; this one
+    # serves a second job (the byte count below), so it stays.
+    assert "--exit-when-done" in coord_cmd, coord_cmd
+    coord_cmd.remove("--exit-when-done")
     rank_cmd, rank_env = _service(services["rank"], host_env)
     assert rank_env["FERROGRPC_COORDINATOR"].startswith("coordinator:")
     assert (

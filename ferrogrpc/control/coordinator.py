@@ -100,6 +100,8 @@ class _Member:
     seq: int = 0
     # The one live Join call that owns this slot.
     owner: _Call | None = None
+    # It said it is closing (a last heartbeat with leaving set).
+    left: bool = False
 
 
 class Coordinator:
@@ -145,6 +147,8 @@ class Coordinator:
         # Frozen answers of completed rounds, by their completion event.
         self._results: dict[int, rpb.JoinResponse] = {}
         self._complete = asyncio.Event()
+        # When the current run was released (its peer table handed out).
+        self._released_at: float | None = None
         self.run_id = uuid.uuid4().hex[:12]
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
@@ -174,12 +178,14 @@ class Coordinator:
         # Keep only the latest few rounds' answers.
         while len(self._results) > 4:
             self._results.pop(next(iter(self._results)))
+        self._released_at = time.time()
         self._complete.set()
 
     def _new_round(self) -> None:
         self.world_size = self.fixed_world_size
         self._members.clear()
         self._complete = asyncio.Event()
+        self._released_at = None
         self.run_id = uuid.uuid4().hex[:12]
         logger.info("new rendezvous round %s", self.run_id)
 
@@ -371,6 +377,9 @@ class Coordinator:
         member.last_heartbeat = time.time()
         member.collective = request.collective
         member.seq = request.seq
+        if request.leaving:
+            member.left = True
+            logger.info("rank %d of run %s left", member.rank, self.run_id)
         return rpb.HeartbeatResponse().SerializeToString()
 
     async def status(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
@@ -436,6 +445,19 @@ class Coordinator:
     async def wait(self) -> None:
         if self._server is not None:
             await self._server.wait_for_termination()
+
+    def run_over(self, silent_s: float) -> bool:
+        """Whether a run was released and every rank of it has since left:
+        said so, or sent no heartbeat for ``silent_s`` (it crashed or was
+        killed). ``--exit-when-done`` ends the coordinator then."""
+        released = self._released_at
+        if released is None or not self._members:
+            return False
+        now = time.time()
+        return all(
+            m.left or now - max(m.last_heartbeat, released) > silent_s
+            for m in self._members.values()
+        )
 
 
 async def _first(*waits: Any) -> None:

@@ -6,6 +6,7 @@ token and mutual TLS of the rank's settings (transport/auth.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -22,6 +23,9 @@ from ..v1 import rendezvous_pb2 as rpb
 from .rendezvous import RendezvousResult
 
 logger = logging.getLogger("ferrogrpc.coordinator")
+
+# How long a closing rank tries to tell the coordinator it is leaving.
+LEAVING_S = 1.0
 
 SERVICE = "ferrogrpc.v1.Rendezvous"
 
@@ -139,6 +143,18 @@ class CoordinatorRendezvous:
         if self._task is not None:
             self._task.cancel()
             self._task = None
+            if self._channel is not None:
+                # Say this rank is leaving (best effort): a coordinator run
+                # with --exit-when-done ends once every rank has.
+                beat = _stub(
+                    self._channel, "Heartbeat", rpb.HeartbeatRequest, rpb.HeartbeatResponse
+                )
+                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
+                    await beat(
+                        rpb.HeartbeatRequest(rank=self.rank, run_id=self.run_id, leaving=True),
+                        timeout=LEAVING_S,
+                        metadata=self._metadata,
+                    )
         if self._channel is not None:
             channel, self._channel = self._channel, None
             await channel.close(None)

@@ -23,6 +23,10 @@ from ..env import Settings
 from ..errors import ConfigError
 from .coordinator import Coordinator, Limits
 
+# With --exit-when-done: a rank of the run that sent no heartbeat for this
+# long (three heartbeat periods) has left, crashed or been killed.
+RUN_SILENT_S = 6.0
+
 # Log records waiting for the writer thread; beyond this many, new ones are
 # dropped (and counted) rather than making the server wait.
 LOG_QUEUE = 10_000
@@ -73,6 +77,7 @@ async def serve(
     min_ranks: int = 1,
     join_window: float = 5.0,
     settings: Settings | None = None,
+    exit_when_done: bool = False,
 ) -> None:
     s = settings or Settings.from_env()
     coordinator = Coordinator(
@@ -95,7 +100,18 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if exit_when_done:
+
+        async def watch_run() -> None:
+            while not coordinator.run_over(silent_s=RUN_SILENT_S):
+                await asyncio.sleep(0.5)
+            print("every rank of the run has left", flush=True)
+            stop.set()
+
+        watcher = asyncio.ensure_future(watch_run())
     await stop.wait()
+    if exit_when_done:
+        watcher.cancel()
     print("coordinator shutting down", flush=True)
     await coordinator.stop(grace=2.0)
 
@@ -113,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--join-window", type=float, default=5.0, help="seconds (elastic mode)")
     parser.add_argument("--host", default="0.0.0.0", help="bind address (default 0.0.0.0)")
     parser.add_argument("--port", type=int, default=29400)
+    parser.add_argument(
+        "--exit-when-done",
+        action="store_true",
+        help="exit once a run was released and every rank of it has left (or gone silent for "
+        f"{RUN_SILENT_S:g}s): `docker-compose up` then returns when training ends",
+    )
     args = parser.parse_args(argv)
     try:
         settings = Settings.from_env()
@@ -122,7 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     logs = LogWriter()
     try:
         asyncio.run(
-            serve(args.world_size, args.host, args.port, args.min_ranks, args.join_window, settings)
+            serve(
+                args.world_size,
+                args.host,
+                args.port,
+                args.min_ranks,
+                args.join_window,
+                settings,
+                exit_when_done=args.exit_when_done,
+            )
         )
     finally:
         logs.close()

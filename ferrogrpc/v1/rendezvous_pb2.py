@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66\x65rrogrpc/v1/rendezvous.proto\x12\x0c\x66\x65rrogrpc.v1\"d\n\x0bJoinRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0erequested_rank\x18\x02 \x01(\x05\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\r\n\x05nonce\x18\x04 \x01(\t\x12\x0c\n\x04host\x18\x05 \x01(\t\"r\n\x0cJoinResponse\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x11\n\taddresses\x18\x03 \x03(\t\x12\x0e\n\x06run_id\x18\x04 \x01(\t\x12\x0e\n\x06nonces\x18\x05 \x03(\t\x12\r\n\x05hosts\x18\x06 \x03(\t\"Q\n\x10HeartbeatRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x12\n\ncollective\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\"\x13\n\x11HeartbeatResponse\"\x0f\n\rStatusRequest\"`\n\x06Member\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0elast_heartbeat\x18\x03 \x01(\x01\x12\x12\n\ncollective\x18\x04 \x01(\t\x12\x0b\n\x03seq\x18\x05 \x01(\x04\"k\n\x0eStatusResponse\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\x0e\n\x06joined\x18\x02 \x01(\r\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12%\n\x07members\x18\x04 \x03(\x0b\x32\x14.ferrogrpc.v1.Member2\xde\x01\n\nRendezvous\x12=\n\x04Join\x12\x19.ferrogrpc.v1.JoinRequest\x1a\x1a.ferrogrpc.v1.JoinResponse\x12L\n\tHeartbeat\x12\x1e.ferrogrpc.v1.HeartbeatRequest\x1a\x1f.ferrogrpc.v1.HeartbeatResponse\x12\x43\n\x06Status\x12\x1b.ferrogrpc.v1.StatusRequest\x1a\x1c.ferrogrpc.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66\x65rrogrpc/v1/rendezvous.proto\x12\x0c\x66\x65rrogrpc.v1\"d\n\x0bJoinRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0erequested_rank\x18\x02 \x01(\x05\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\r\n\x05nonce\x18\x04 \x01(\t\x12\x0c\n\x04host\x18\x05 \x01(\t\"r\n\x0cJoinResponse\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x11\n\taddresses\x18\x03 \x03(\t\x12\x0e\n\x06run_id\x18\x04 \x01(\t\x12\x0e\n\x06nonces\x18\x05 \x03(\t\x12\r\n\x05hosts\x18\x06 \x03(\t\"b\n\x10HeartbeatRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x12\n\ncollective\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x0f\n\x07leaving\x18\x05 \x01(\x08\"\x13\n\x11HeartbeatResponse\"\x0f\n\rStatusRequest\"`\n\x06Member\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0elast_heartbeat\x18\x03 \x01(\x01\x12\x12\n\ncollective\x18\x04 \x01(\t\x12\x0b\n\x03seq\x18\x05 \x01(\x04\"k\n\x0eStatusResponse\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\x0e\n\x06joined\x18\x02 \x01(\r\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12%\n\x07members\x18\x04 \x03(\x0b\x32\x14.ferrogrpc.v1.Member2\xde\x01\n\nRendezvous\x12=\n\x04Join\x12\x19.ferrogrpc.v1.JoinRequest\x1a\x1a.ferrogrpc.v1.JoinResponse\x12L\n\tHeartbeat\x12\x1e.ferrogrpc.v1.HeartbeatRequest\x1a\x1f.ferrogrpc.v1.HeartbeatResponse\x12\x43\n\x06Status\x12\x1b.ferrogrpc.v1.StatusRequest\x1a\x1c.ferrogrpc.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,15 +37,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINRESPONSE']._serialized_start=149
   _globals['_JOINRESPONSE']._serialized_end=263
   _globals['_HEARTBEATREQUEST']._serialized_start=265
-  _globals['_HEARTBEATREQUEST']._serialized_end=346
-  _globals['_HEARTBEATRESPONSE']._serialized_start=348
-  _globals['_HEARTBEATRESPONSE']._serialized_end=367
-  _globals['_STATUSREQUEST']._serialized_start=369
-  _globals['_STATUSREQUEST']._serialized_end=384
-  _globals['_MEMBER']._serialized_start=386
-  _globals['_MEMBER']._serialized_end=482
-  _globals['_STATUSRESPONSE']._serialized_start=484
-  _globals['_STATUSRESPONSE']._serialized_end=591
-  _globals['_RENDEZVOUS']._serialized_start=594
-  _globals['_RENDEZVOUS']._serialized_end=816
+  _globals['_HEARTBEATREQUEST']._serialized_end=363
+  _globals['_HEARTBEATRESPONSE']._serialized_start=365
+  _globals['_HEARTBEATRESPONSE']._serialized_end=384
+  _globals['_STATUSREQUEST']._serialized_start=386
+  _globals['_STATUSREQUEST']._serialized_end=401
+  _globals['_MEMBER']._serialized_start=403
+  _globals['_MEMBER']._serialized_end=499
+  _globals['_STATUSRESPONSE']._serialized_start=501
+  _globals['_STATUSRESPONSE']._serialized_end=608
+  _globals['_RENDEZVOUS']._serialized_start=611
+  _globals['_RENDEZVOUS']._serialized_end=833
 # @@protoc_insertion_point(module_scope)

@@ -38,16 +38,18 @@ class JoinResponse(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., run_id: _Optional[str] = ..., nonces: _Optional[_Iterable[str]] = ..., hosts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("rank", "run_id", "collective", "seq")
+    __slots__ = ("rank", "run_id", "collective", "seq", "leaving")
     RANK_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     rank: int
     run_id: str
     collective: str
     seq: int
-    def __init__(self, rank: _Optional[int] = ..., run_id: _Optional[str] = ..., collective: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, rank: _Optional[int] = ..., run_id: _Optional[str] = ..., collective: _Optional[str] = ..., seq: _Optional[int] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ()
