@@ -103,7 +103,8 @@ async def serve(
     if exit_when_done:
 
         async def watch_run() -> None:
-            while not coordinator.run_over(silent_s=RUN_SILENT_S):
+            # A poll: silence is noticed by time passing, not by an event.
+            while not coordinator.run_over(silent_s=RUN_SILENT_S):  # noqa: ASYNC110
                 await asyncio.sleep(0.5)
             print("every rank of the run has left", flush=True)
             stop.set()
