@@ -2,7 +2,8 @@
 kernel has tc's tbf and htb but no netem. Packets that a netfilter rule
 sends to NFQUEUE (``-j NFQUEUE --queue-num N``) are held for ``--delay-ms`` and then let
 through, in order; with ``--drop-syns K``, the first K TCP SYNs (connection
-attempts) seen once ``--arm-file`` exists are dropped instead.
+attempts) are dropped instead. With ``--arm-file``, both start only once
+that file exists (a job can start up on a fast link first).
 
 Run it inside the network namespace whose rule queues the packets, with
 :func:`delaying` (below) or as ``python tests/delayer.py --queue N ...``. It
@@ -44,7 +45,7 @@ def main() -> int:
     parser.add_argument("--queue", type=int, default=0)
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--drop-syns", type=int, default=0)
-    parser.add_argument("--arm-file", help="drop SYNs only once this file exists")
+    parser.add_argument("--arm-file", help="delay and drop only once this file exists")
     args = parser.parse_args()
     delay = args.delay_ms / 1e3
     held: list[tuple[float, int, Any]] = []
@@ -56,7 +57,10 @@ def main() -> int:
         return args.arm_file is None or os.path.exists(args.arm_file)
 
     def on_packet(pkt: Any) -> None:
-        if drops[0] > 0 and armed() and is_syn(pkt.get_payload()):
+        if not armed():
+            pkt.accept()
+            return
+        if drops[0] > 0 and is_syn(pkt.get_payload()):
             drops[0] -= 1
             counts["dropped"] += 1
             pkt.drop()
@@ -98,8 +102,8 @@ def delaying(
     queue: int = 0,
 ) -> Iterator[subprocess.Popen[str]]:
     """In ``namespace``, hold every IPv4 packet it sends to ``daddr`` for
-    ``delay_ms`` (and drop the first ``drop_syns`` SYNs once ``arm_file``
-    exists): an iptables output rule queues them to this delayer, run in
+    ``delay_ms`` (and drop the first ``drop_syns`` SYNs), once ``arm_file``
+    exists if one is given: an iptables output rule queues them to this delayer, run in
     that namespace. Removes both on exit."""
     rule = ["OUTPUT", "-d", daddr, "-j", "NFQUEUE", "--queue-num", str(queue)]
     cmd = [sys.executable, __file__, "--queue", str(queue), "--delay-ms", str(delay_ms)]

@@ -20,7 +20,8 @@ from tests.helpers import ROOT, namespaces
 
 pytestmark = pytest.mark.timeout(90)
 
-LATE_S = 7.0  # past the probe's first two rounds (2 s, then every 0.5 s)
+LATE_S = 5.0  # past the probe's first rounds (at 2 s, then every 0.5 s)
+IDLE_S = 16.0  # so that the silence bound is its floor, 4 s: a shorter test
 
 
 def _job(ns: dict[str, str], addresses: dict[str, str], extra: dict[str, str]) -> list[dict]:
@@ -33,7 +34,7 @@ def _job(ns: dict[str, str], addresses: dict[str, str], extra: dict[str, str]) -
         MASTER_ADDR=addresses["a"],
         MASTER_PORT="29501",
         FERROGRPC_PORT="29511",
-        FERROGRPC_IDLE_TIMEOUT="30",
+        FERROGRPC_IDLE_TIMEOUT=str(IDLE_S),
         FERROGRPC_TIMEOUT="60",
         LATE_RANK="1",
         LATE_S=str(LATE_S),
@@ -63,18 +64,17 @@ def test_a_late_rank_on_a_slow_or_lossy_link_is_waited_for(link: str, tmp_path: 
     assert os.geteuid() == 0, "needs root for ip netns and nftables (CI runs as root)"
     addresses = {"a": "198.18.0.10", "b": "198.18.0.11"}
     with namespaces(["a", "b"]) as ns:
+        # Armed once the job runs (the late rank arms it after a warm-up).
         arm = tmp_path / "arm"
         if link == "600 ms round trip":
             # Every packet from a to b waits 600 ms: each probe's SYN-ACK too.
-            shaping = delaying(ns["a"], addresses["b"], delay_ms=600)
-            extra: dict[str, str] = {}
+            shaping = delaying(ns["a"], addresses["b"], delay_ms=600, arm_file=arm)
         else:
-            # Once armed, the first three connection attempts from a to b are
-            # lost (the kernel resends a SYN after 1 s, then 2 s more).
+            # The first three connection attempts from a to b are lost (the
+            # kernel resends a SYN after 1 s, then 2 s more).
             shaping = delaying(ns["a"], addresses["b"], drop_syns=3, arm_file=arm)
-            extra = {"ARM_FILE": str(arm)}
         with shaping:
-            records = _job(ns, addresses, extra)
+            records = _job(ns, addresses, {"ARM_FILE": str(arm)})
     for record in records:
         assert "error" not in record, record
         assert record["result"] == [3.0] * 4, record
@@ -86,18 +86,19 @@ def test_a_host_that_stays_silent_is_named_gone_within_the_silence_bound(
 ) -> None:
     # Once armed, every connection attempt from a to b is lost: the late
     # rank's host looks vanished. Silence is a death only after
-    # silence_bound(idle): 7.5 s of the 30 s idle timeout here.
+    # silence_bound(idle): 4 s of the 16 s idle timeout here.
     assert os.geteuid() == 0, "needs root for ip netns and iptables (CI runs as root)"
     from ferrogrpc.failure.watchdog import PROBE_S, silence_bound
 
-    bound = silence_bound(30.0)
+    bound = silence_bound(IDLE_S)
     addresses = {"a": "198.18.0.10", "b": "198.18.0.11"}
     arm = tmp_path / "arm"
     with (
         namespaces(["a", "b"]) as ns,
         delaying(ns["a"], addresses["b"], drop_syns=10_000, arm_file=arm),
     ):
-        records = _job(ns, addresses, {"ARM_FILE": str(arm), "LATE_S": "20"})
+        late = PROBE_S + bound + 6.0  # it wakes after it was named
+        records = _job(ns, addresses, {"ARM_FILE": str(arm), "LATE_S": str(late)})
     error = str(records[0].get("error", ""))
     assert "PeerError" in error and "rank 1" in error and "has not answered" in error, records
     assert bound <= records[0]["waited"] <= PROBE_S + bound + 5.0, (records[0], bound)
