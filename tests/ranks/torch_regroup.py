@@ -41,6 +41,14 @@ def main() -> None:
         dist.init_process_group("ferrogrpc", timeout=timeout)
         check(rank, world)
         dist.destroy_process_group()
+        # env:// reuses MASTER_PORT: a rank that raced ahead would connect to
+        # rank 0's previous TCPStore before rank 0 destroyed it, and the new
+        # store would wait out its timeout for that rank (torch's env:// does
+        # the same over gloo). The outer store says when every group is gone.
+        # (Not after the last: rank 0 may exit, and its outer store with it.)
+        if i < 2:
+            store.set(f"gone/{i}/{rank}", "1")
+            store.wait([f"gone/{i}/{r}" for r in range(world)])
         print(f"OK env {i}", flush=True)
     print("DONE", flush=True)
 
