@@ -19,6 +19,7 @@ from .errors import (
     FerroGrpcError,
     PeerError,
     ProtocolError,
+    QuorumLostError,
     RendezvousError,
 )
 from .options import ChunkPolicy, Timeouts, TLSConfig
@@ -26,11 +27,13 @@ from .wrappers.registration import register_when_torch_loads
 
 if TYPE_CHECKING:
     from . import testing
+    from .elastic.backend import ElasticBackend, Membership
+    from .elastic.state import ElasticState
     from .ops import SUPPORTED_DTYPES, ReduceOp
     from .runtime.backend import Backend
     from .runtime.peer import Peer
-    from .runtime.startup import init_backend
     from .runtime.work import Work
+    from .startup import init_backend
     from .wrappers.ddp import DDP
     from .wrappers.fsdp import FSDP
 
@@ -40,12 +43,15 @@ __version__ = "0.1.0"
 _ON_FIRST_USE = {
     "Backend": "ferrogrpc.runtime.backend",
     "DDP": "ferrogrpc.wrappers.ddp",
+    "ElasticBackend": "ferrogrpc.elastic.backend",
+    "ElasticState": "ferrogrpc.elastic.state",
+    "Membership": "ferrogrpc.elastic.backend",
     "FSDP": "ferrogrpc.wrappers.fsdp",
     "Peer": "ferrogrpc.runtime.peer",
     "ReduceOp": "ferrogrpc.ops",
     "SUPPORTED_DTYPES": "ferrogrpc.ops",
     "Work": "ferrogrpc.runtime.work",
-    "init_backend": "ferrogrpc.runtime.startup",
+    "init_backend": "ferrogrpc.startup",
     "testing": "ferrogrpc.testing",
 }
 
@@ -72,11 +78,15 @@ __all__ = [
     "CollectiveTimeoutError",
     "ConfigError",
     "DDP",
+    "ElasticBackend",
+    "ElasticState",
     "FSDP",
     "FerroGrpcError",
+    "Membership",
     "Peer",
     "PeerError",
     "ProtocolError",
+    "QuorumLostError",
     "ReduceOp",
     "RendezvousError",
     "TLSConfig",

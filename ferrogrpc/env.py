@@ -49,6 +49,11 @@ MALLOC_TUNING_ENV: Final = "FERROGRPC_MALLOC_TUNING"
 SHM_ENV: Final = "FERROGRPC_SHM"
 # The coordinator's: the most ranks an elastic round takes.
 MAX_RANKS_ENV: Final = "FERROGRPC_MAX_RANKS"
+# Elastic groups (elastic/): on, the fewest members, and how long a member
+# may be silent before the coordinator removes it.
+ELASTIC_ENV: Final = "FERROGRPC_ELASTIC"
+MIN_WORLD_SIZE_ENV: Final = "FERROGRPC_MIN_WORLD_SIZE"
+HEARTBEAT_TIMEOUT_ENV: Final = "FERROGRPC_HEARTBEAT_TIMEOUT"
 # glibc's own: a user who set these capped the arenas themselves.
 GLIBC_ARENA_ENV: Final = "MALLOC_ARENA_MAX"
 GLIBC_TUNABLES_ENV: Final = "GLIBC_TUNABLES"
@@ -141,6 +146,12 @@ class Settings:
     user_arena_max: bool = False
     shm: bool = True
     max_ranks: int = 1024
+    elastic: bool = False
+    min_world_size: int = 1
+    # Four heartbeats (every half second) missed in a row: a process that
+    # the scheduler starves (two CPU burners on two cores) still beats well
+    # within it, and a stopped one is removed within 3 s.
+    heartbeat_timeout: float = 2.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -157,6 +168,12 @@ class Settings:
         max_ranks = _int(env, MAX_RANKS_ENV)
         if max_ranks is not None and max_ranks < 1:
             raise ConfigError(f"{MAX_RANKS_ENV}={max_ranks} must be 1 or more")
+        heartbeat = _float(env, HEARTBEAT_TIMEOUT_ENV, 2.0)
+        if heartbeat <= 0:
+            raise ConfigError(f"{HEARTBEAT_TIMEOUT_ENV}={heartbeat:g} must be positive")
+        min_world = _int(env, MIN_WORLD_SIZE_ENV)
+        if min_world is not None and min_world < 1:
+            raise ConfigError(f"{MIN_WORLD_SIZE_ENV}={min_world} must be 1 or more")
         threads = _int(env, REDUCE_THREADS_ENV)
         if threads is not None and threads < 0:
             raise ConfigError(f"{REDUCE_THREADS_ENV}={threads} must be 0 or more")
@@ -184,6 +201,9 @@ class Settings:
             ),
             shm=_switch(env, SHM_ENV, True),
             max_ranks=1024 if max_ranks is None else max_ranks,
+            elastic=_switch(env, ELASTIC_ENV, False),
+            min_world_size=1 if min_world is None else min_world,
+            heartbeat_timeout=heartbeat,
             user_arena_max=GLIBC_ARENA_ENV in env or "arena_max" in env.get(GLIBC_TUNABLES_ENV, ""),
         )
 

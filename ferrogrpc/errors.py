@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 
 class Evidence(enum.Enum):
@@ -107,6 +107,16 @@ class PeerError(FerroGrpcError):
     reported a failure of its own. ``peer`` names it."""
 
 
+class QuorumLostError(PeerError):
+    """An elastic group lost members and fewer than ``min_world_size``
+    remain: training cannot go on. ``lost`` names the ranks lost (of the
+    last epoch this rank was in)."""
+
+    def __init__(self, message: str, *, lost: list[int] | None = None, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.lost = sorted(lost or [])
+
+
 class CollectiveTimeoutError(FerroGrpcError, TimeoutError):
     """A collective made no progress within the idle timeout, or did not finish
     within its deadline. ``peer`` names the rank this rank was waiting for."""
@@ -124,6 +134,7 @@ ERROR_CLASSES: dict[str, type[FerroGrpcError]] = {
         ConfigError,
         RendezvousError,
         PeerError,
+        QuorumLostError,
         CollectiveTimeoutError,
         ProtocolError,
     )

@@ -106,7 +106,9 @@ LAYERS: list[set[str]] = [
     {"failure", "samehost", "control"},  # policy and watchdog; same-host plane; rendezvous
     {"algorithms"},  # how one collective runs
     {"runtime"},  # the engine, the peer, the backend, joining
+    {"elastic"},  # groups whose membership changes: epochs, the joiners' state
     {"wrappers"},  # DDP, FSDP, the torch process group
+    {"startup"},  # init_backend: a fixed group or an elastic one
     {"", "cli", "testing"},  # the package's front: its __init__, the command, test helpers
 ]
 LONGEST_CHAIN = 12

@@ -35,6 +35,7 @@ from ..v1 import rendezvous_pb2 as rpb
 from .coordinator_client import SERVICE
 from .coordinator_client import CoordinatorRendezvous as CoordinatorRendezvous
 from .coordinator_client import fetch_status as fetch_status
+from .membership import LOST_KEY, ElasticMembership, QuorumLostInRound
 
 logger = logging.getLogger("ferrogrpc.coordinator")
 
@@ -128,6 +129,7 @@ class Coordinator:
         token: str | None = None,
         tls: TLSConfig | None = None,
         limits: Limits | None = None,
+        heartbeat_timeout: float = 2.0,
     ) -> None:
         if world_size < 0:
             raise ConfigError(
@@ -157,6 +159,15 @@ class Coordinator:
         self.tls = tls
         self.limits = limits or Limits()
         self._bad_requests = _RateLimitedLog()
+        # Elastic groups (Enter; see [Note: elastic epochs]).
+        self.membership = ElasticMembership(
+            heartbeat_timeout=heartbeat_timeout,
+            join_window=join_window,
+            min_world_size=min_ranks,
+            initial_world_size=world_size,
+            max_ranks=self.limits.max_ranks,
+        )
+        self._silence_task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------- handlers
 
@@ -220,8 +231,13 @@ class Coordinator:
             )
         return message
 
-    def _join_problem(self, request: rpb.JoinRequest) -> str | None:
-        """Why ``request`` breaks a limit, or None."""
+    def _join_problem(
+        self,
+        request: rpb.JoinRequest | rpb.EnterRequest | rpb.HeartbeatRequest,
+        need_address: bool = True,
+    ) -> str | None:
+        """Why ``request`` (a Join, an Enter, or an elastic heartbeat) breaks a
+        limit, or None."""
         lim = self.limits
         for field, most in (("address", lim.address), ("host", lim.host), ("nonce", lim.nonce)):
             n = len(getattr(request, field))
@@ -232,7 +248,7 @@ class Coordinator:
                 f"peer_id of {len(request.peer_id)} characters; it must be a random id of "
                 f"{lim.peer_id_min} to {lim.peer_id_max}"
             )
-        if not request.address:
+        if need_address and not request.address:
             return "no address"
         return None
 
@@ -361,8 +377,33 @@ class Coordinator:
                 self._release_timer.cancel()
                 self._release_timer = None
 
+    async def enter(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        """An elastic group's next epoch (see [Note: elastic epochs])."""
+        request: rpb.EnterRequest = await self._parse(raw, rpb.EnterRequest, context)
+        problem = self._join_problem(request)
+        if problem is not None:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "Enter", problem)
+        try:
+            response = await self.membership.enter(request)
+        except QuorumLostInRound as exc:
+            context.set_trailing_metadata(((LOST_KEY, ",".join(map(str, exc.lost))),))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return response.SerializeToString()
+
+    async def commit(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        """An elastic member's finished gradient sync (see [Note: elastic epochs])."""
+        request: rpb.CommitRequest = await self._parse(raw, rpb.CommitRequest, context)
+        verdict = await self.membership.commit(request)
+        return rpb.CommitResponse(commit=verdict).SerializeToString()
+
     async def heartbeat(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         request: rpb.HeartbeatRequest = await self._parse(raw, rpb.HeartbeatRequest, context)
+        if request.peer_id:
+            if self._join_problem(request, need_address=False):
+                await self._refuse(
+                    context, grpc.StatusCode.INVALID_ARGUMENT, "Heartbeat", "bad fields"
+                )
+            return self.membership.heartbeat(request).SerializeToString()
         lim = self.limits
         if len(request.run_id) > lim.run_id or len(request.collective) > lim.collective:
             await self._refuse(
@@ -417,6 +458,8 @@ class Coordinator:
             name: grpc.unary_unary_rpc_method_handler(method)
             for name, method in (
                 ("Join", self.join),
+                ("Enter", self.enter),
+                ("Commit", self.commit),
                 ("Heartbeat", self.heartbeat),
                 ("Status", self.status),
             )
@@ -434,9 +477,20 @@ class Coordinator:
         await self._health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self._server = server
         self.port = port
+        self._silence_task = asyncio.ensure_future(self._watch_silence())
         return port
 
+    async def _watch_silence(self) -> None:
+        """Drop elastic members silent past the heartbeat timeout."""
+        period = max(0.05, self.membership.heartbeat_timeout / 8)
+        while True:
+            await asyncio.sleep(period)
+            self.membership.check_silence()
+
     async def stop(self, grace: float = 2.0) -> None:
+        if self._silence_task is not None:
+            self._silence_task.cancel()
+            self._silence_task = None
         if self._server is not None:
             await self._health.enter_graceful_shutdown()
             server, self._server = self._server, None

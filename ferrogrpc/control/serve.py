@@ -87,6 +87,7 @@ async def serve(
         token=s.token,
         tls=s.tls,
         limits=Limits(max_ranks=s.max_ranks),
+        heartbeat_timeout=s.heartbeat_timeout,
     )
     bound = await coordinator.start(f"{host}:{port}")
     logging.getLogger("ferrogrpc.coordinator").info(

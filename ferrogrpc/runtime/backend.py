@@ -1,6 +1,6 @@
 """The blocking facade for training code: ``Backend``, and starting one
 (``start_backend``: its private event-loop thread, which runs the asyncio
-Peer). ``init_backend`` (startup.py) picks the rendezvous and calls it."""
+Peer). ``init_backend`` (ferrogrpc/startup.py) picks the rendezvous and calls it."""
 
 from __future__ import annotations
 
@@ -200,8 +200,11 @@ class Backend:
         previous = after._future
 
         async def run() -> torch.Tensor:
+            waited = asyncio.wrap_future(previous)
             try:
-                await asyncio.wait([asyncio.wrap_future(previous)])
+                await asyncio.wait([waited])
+                if not waited.cancelled():
+                    waited.exception()  # taken: its owner's Work raises it
             except asyncio.CancelledError:
                 coro.close()  # never started (the loop is shutting down)
                 raise
@@ -468,14 +471,14 @@ class Backend:
         return f"<ferrogrpc.Backend rank {self.rank}/{self.world_size} {self.address} {state}>"
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return host == "localhost"
 
 
-def _start_loop(threads: int) -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+def start_loop(threads: int) -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
     loop = asyncio.new_event_loop()
     ready = threading.Event()
 
@@ -503,12 +506,12 @@ def start_backend(
     coordinator's host, calls for); return the Backend once the group formed.
     Releases everything if it does not."""
     connect = s.timeouts.connect
-    loopback = _is_loopback(target_host)
+    loopback = is_loopback(target_host)
     bind = s.bind_host or ("127.0.0.1" if loopback else "0.0.0.0")
     advertise = s.advertise_host or ("127.0.0.1" if loopback else route_host(target_host))
     # Before the loop thread allocates anything: it is to share one arena.
     tune_allocator(s.malloc_tuning is not False, cap_arenas=not s.user_arena_max)
-    loop, thread = _start_loop(s.reduce_threads)
+    loop, thread = start_loop(s.reduce_threads)
     start = Peer.start(
         rank,
         world_size,

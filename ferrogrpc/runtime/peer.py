@@ -25,7 +25,7 @@ from ..algorithms.staging import Stage
 from ..control.rendezvous import Rendezvous
 from ..env import Settings
 from ..errors import CollectiveTimeoutError, ConfigError, FerroGrpcError, Identity, PeerError
-from ..ops import ReduceOp
+from ..ops import DTYPE_TO_WIRE, ReduceOp
 from ..options import ChunkPolicy, Timeouts, TLSConfig
 from ..transport.integrity import Checksum
 from ..transport.streams import Transport
@@ -41,6 +41,8 @@ T = TypeVar("T")
 
 # How long close() waits for abort notices still being delivered.
 ABORT_DELIVERY_S = 2.0
+# A point-to-point message is bytes nothing reduces: any dtype the wire names.
+P2P_DTYPES = tuple(DTYPE_TO_WIRE)
 
 
 class Peer:
@@ -474,7 +476,7 @@ class Peer:
         send is between two ranks, and the matching ``recv`` waits for it
         until the collective deadline, as with torch's backends."""
         me = self._me
-        validate.tensor(me, tensor, "send")
+        validate.tensor(me, tensor, "send", dtypes=P2P_DTYPES)
         peer = validate.peer(me, dst, "send")
         validate.tag(me, tag, "send")
         self._engine.check_open()
@@ -490,7 +492,7 @@ class Peer:
         (see :meth:`send`); returns ``tensor``. A message of another dtype or
         size is a ProtocolError naming both ranks."""
         me = self._me
-        validate.tensor(me, tensor, "recv")
+        validate.tensor(me, tensor, "recv", dtypes=P2P_DTYPES)
         validate.writable(me, tensor, "recv")
         peer = validate.peer(me, src, "recv")
         validate.tag(me, tag, "recv")
@@ -517,7 +519,7 @@ class Peer:
         :meth:`recv` named for a rank, called meanwhile, takes its message
         first. Waits up to the collective deadline."""
         me = self._me
-        validate.tensor(me, tensor, "recv")
+        validate.tensor(me, tensor, "recv", dtypes=P2P_DTYPES)
         validate.writable(me, tensor, "recv")
         validate.tag(me, tag, "recv")
         if me.world_size < 2:

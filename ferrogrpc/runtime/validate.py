@@ -14,12 +14,20 @@ from ..errors import ConfigError, Identity
 from ..ops import SUPPORTED_DTYPES, ReduceOp
 
 
-def tensor(me: Identity, t: object, name: str, what: str = "tensor") -> torch.Tensor:
-    """``t`` if it is a dense tensor of a supported dtype."""
+def tensor(
+    me: Identity,
+    t: object,
+    name: str,
+    what: str = "tensor",
+    dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES,
+) -> torch.Tensor:
+    """``t`` if it is a dense tensor of a supported dtype (``dtypes``: a
+    point-to-point message, which nothing reduces, may be of any dtype the
+    wire names)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        supported = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+    if t.dtype not in dtypes:
+        supported = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise me.error(
             ConfigError,
             f"{what} has unsupported dtype {t.dtype}; supported: {supported}",

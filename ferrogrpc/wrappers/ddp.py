@@ -7,12 +7,13 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from ..elastic.backend import ElasticBackend
 from ..errors import ConfigError, FerroGrpcError
 from ..ops import SUPPORTED_DTYPES
 from ..runtime.backend import Backend
@@ -100,7 +101,12 @@ class DDP(nn.Module):
     Failure: if an all-reduce fails, ``sync_gradients()`` raises the
     backend's error and every ``.grad`` is left exactly as it was before the
     call (results are written back only after every bucket succeeded); the
-    backend is then broken (see :class:`Backend`).
+    backend is then broken (see :class:`Backend`). In an elastic group
+    (``init_backend(elastic=True)``) a lost member does not raise: the sync
+    is redone with the survivors and returns their mean, and a process that
+    was removed (it stalled) and joined again returns with every ``.grad``
+    None and the group's state loaded (see ``fg.ElasticState``); below
+    ``min_world_size`` it raises ``QuorumLostError``.
 
     Args:
         module: the model; every rank wraps the same one (names, shapes,
@@ -124,7 +130,7 @@ class DDP(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        backend: Backend,
+        backend: Backend | ElasticBackend,
         bucket_size_bytes: int = DEFAULT_BUCKET_BYTES,
         overlap: bool = True,
         compression: str | None = None,
@@ -151,7 +157,10 @@ class DDP(nn.Module):
         self._lock = threading.Lock()
         self._sync_enabled = True
         self._hooks: list[Any] = []
-        check_same_model(module, backend, "DDP")
+        if not isinstance(backend, ElasticBackend):
+            # (An elastic group's members start from rank 0's weights, and
+            # joiners receive them: ElasticState.)
+            check_same_model(module, backend, "DDP")
         self._buckets = self._build_buckets()
         self._slot: dict[int, tuple[_Bucket, int]] = {}
         for bucket in self._buckets:
@@ -169,13 +178,17 @@ class DDP(nn.Module):
 
     @classmethod
     def with_bucket_size(
-        cls, module: nn.Module, backend: Backend, bucket_size_bytes: int, overlap: bool = True
+        cls,
+        module: nn.Module,
+        backend: Backend | ElasticBackend,
+        bucket_size_bytes: int,
+        overlap: bool = True,
     ) -> DDP:
         """Wrap ``module`` with a custom bucket size in bytes."""
         return cls(module, backend, bucket_size_bytes=bucket_size_bytes, overlap=overlap)
 
     @property
-    def backend(self) -> Backend:
+    def backend(self) -> Backend | ElasticBackend:
         return self._backend
 
     # -------------------------------------------------------------- buckets
@@ -319,6 +332,30 @@ class DDP(nn.Module):
     # ---------------------------------------------------------------- sync
 
     def _finish(self, mode: Literal["in_turn", "chained", "concurrent"]) -> None:
+        """Reduce every bucket (see :meth:`_reduce`) and write the results;
+        in an elastic group, redo the reduction in the next epoch if members
+        are lost, and write only a sync every member committed."""
+        backend = self._backend
+        if not isinstance(backend, ElasticBackend):
+            self._reduce(mode)
+            self._write()
+            return
+
+        def attempt() -> Callable[[], None]:
+            # A redo refills every bucket from .grad (the failed reduction
+            # changed the buffers, never .grad) and runs it in the new epoch.
+            self._reduce(mode)
+            return self._write
+
+        if backend.run_sync(attempt):
+            # This process was removed and joined again: it holds the
+            # group's state now, and this step is discarded.
+            self._reset()
+            for bucket in self._buckets:
+                for p in bucket.params:
+                    p.grad = None
+
+    def _reduce(self, mode: Literal["in_turn", "chained", "concurrent"]) -> None:
         """Start the buckets not yet started and wait for all: ``in_turn``
         waits for each before starting the next, ``chained`` queues each
         behind the previous (as the overlap hooks do), ``concurrent`` starts
@@ -340,8 +377,10 @@ class DDP(nn.Module):
                 work.wait()
         finally:
             self._reset()
-        # Every bucket succeeded: only now touch .grad, which becomes a view
-        # of the reduced buffer (no copy); the next step fills the other one.
+
+    def _write(self) -> None:
+        """Every bucket succeeded: only now touch .grad, which becomes a view
+        of the reduced buffer (no copy); the next step fills the other one."""
         for bucket in self._buckets:
             buf = self._buffer(bucket)
             flags = bucket.flags().tolist()

@@ -117,6 +117,14 @@ class FSDP(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
+        if getattr(backend, "elastic", False):
+            raise ConfigError(
+                "FSDP does not support elastic groups yet (a shard's owner may be lost, and "
+                "re-sharding is not built): in an elastic group (init_backend(elastic=True)) "
+                "use fg.DDP with fg.ElasticState; FSDP needs a fixed group",
+                rank=backend.rank,
+                world_size=backend.world_size,
+            )
         if not isinstance(reshard_after_forward, bool):
             raise ConfigError(
                 f"reshard_after_forward must be True or False, got {reshard_after_forward!r}"

@@ -559,11 +559,22 @@ def create(dist_opts: Any, pg_options: Any) -> FerroProcessGroup:
         The process group, once every rank of it has joined.
 
     Raises:
-        ConfigError: an unknown or bad option.
+        ConfigError: an unknown or bad option, or an elastic group
+            (``FERROGRPC_ELASTIC``), which torch's process groups do not
+            support.
         RendezvousError, CollectiveTimeoutError: as ``init_backend``.
     """
     store, rank, world = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
     s = Settings.from_env().merged(**_options(pg_options))
+    if s.elastic:
+        raise ConfigError(
+            "the torch.distributed backend does not support elastic groups "
+            "(FERROGRPC_ELASTIC is set): a torch process group has a fixed world size. "
+            "Elastic training is supported with fg.init_backend(coordinator=..., "
+            "elastic=True) and fg.DDP, with fg.ElasticState for joiners",
+            rank=rank,
+            world_size=world,
+        )
     if s.malloc_tuning is None:
         # Process-wide, so not behind the user's back inside their own
         # training loop: FERROGRPC_MALLOC_TUNING=1 opts in.

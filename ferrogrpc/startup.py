@@ -5,10 +5,60 @@ the loop thread and the peer)."""
 
 from __future__ import annotations
 
-from ..control.rendezvous import Rendezvous, StoreRendezvous
-from ..env import Settings
-from ..options import ChunkPolicy, Timeouts, TLSConfig
-from .backend import Backend, start_backend
+from typing import TYPE_CHECKING, Literal, overload
+
+from .control.rendezvous import Rendezvous, StoreRendezvous
+from .env import Settings
+from .errors import ConfigError
+from .options import ChunkPolicy, Timeouts, TLSConfig
+from .runtime.backend import Backend, start_backend
+
+if TYPE_CHECKING:
+    from .elastic.backend import ElasticBackend
+
+
+@overload
+def init_backend(
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    *,
+    coordinator: str | None = None,
+    timeouts: Timeouts | None = None,
+    chunk_policy: ChunkPolicy | None = None,
+    bind_host: str | None = None,
+    advertise_host: str | None = None,
+    port: int | None = None,
+    checksum: bool | str | None = None,
+    tls: TLSConfig | None = None,
+    token: str | None = None,
+    shm: bool | None = None,
+    elastic: Literal[False] | None = None,
+    min_world_size: int | None = None,
+) -> Backend: ...
+
+
+@overload
+def init_backend(
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    *,
+    coordinator: str | None = None,
+    timeouts: Timeouts | None = None,
+    chunk_policy: ChunkPolicy | None = None,
+    bind_host: str | None = None,
+    advertise_host: str | None = None,
+    port: int | None = None,
+    checksum: bool | str | None = None,
+    tls: TLSConfig | None = None,
+    token: str | None = None,
+    shm: bool | None = None,
+    elastic: Literal[True],
+    min_world_size: int | None = None,
+) -> ElasticBackend: ...
 
 
 def init_backend(
@@ -27,11 +77,17 @@ def init_backend(
     tls: TLSConfig | None = None,
     token: str | None = None,
     shm: bool | None = None,
-) -> Backend:
-    """Join the group and return a blocking :class:`Backend`.
+    elastic: bool | None = None,
+    min_world_size: int | None = None,
+) -> Backend | ElasticBackend:
+    """Join the group and return a blocking :class:`Backend` (an
+    :class:`ElasticBackend` with ``elastic=True``).
 
     Synchronizes: every rank of the group must call it; it returns once every
-    rank has joined and the ring has passed a barrier.
+    rank has joined and the ring has passed a barrier. An elastic group's
+    first members return once its first epoch formed; a process that finds
+    the group running returns at once, and is admitted at the members' next
+    step boundary, in its first ``ElasticState.steps()``.
 
     Args:
         rank, world_size, master_addr, master_port: torch's env:// values;
@@ -64,6 +120,16 @@ def init_backend(
         shm: whether ranks on one host (and network namespace) exchange
             tensor bytes through shared memory (default True;
             ``FERROGRPC_SHM=0`` turns it off). gRPC still carries control.
+        elastic: join a group whose membership may change
+            (``FERROGRPC_ELASTIC=1``): lost members are dropped and training
+            goes on, joiners are admitted between steps. Needs a
+            coordinator, the membership's authority. See the README's
+            "Elastic training".
+        min_world_size: an elastic group's fewest members
+            (``FERROGRPC_MIN_WORLD_SIZE``, default 1): below it every
+            member raises QuorumLostError. The first epoch forms once this
+            many have entered and the coordinator's join window passed (or
+            the coordinator's ``--world-size`` entered).
 
     Returns:
         A :class:`Backend` for this rank; close it (or use it as a context
@@ -95,11 +161,15 @@ def init_backend(
         tls=tls,
         token=token,
         shm=shm,
+        elastic=elastic,
+        min_world_size=min_world_size,
     )
     connect = s.timeouts.connect
+    if s.elastic:
+        return _start_elastic(s)
     rendezvous: Rendezvous
     if s.coordinator:
-        from ..control.coordinator import CoordinatorRendezvous
+        from .control.coordinator import CoordinatorRendezvous
 
         rendezvous = CoordinatorRendezvous(s.coordinator, timeout=connect, token=s.token, tls=s.tls)
         target_host = s.coordinator.rsplit(":", 1)[0]
@@ -110,3 +180,32 @@ def init_backend(
         )
         target_host = addr
     return start_backend(s, rendezvous, target_host, rank, world_size)
+
+
+def _start_elastic(s: Settings) -> ElasticBackend:
+    if not s.coordinator:
+        raise ConfigError(
+            "elastic=True needs a coordinator (coordinator='host:port' or "
+            "FERROGRPC_COORDINATOR; start one with `python -m server`): it is the "
+            "membership's authority, so that no rank is a single point of failure"
+        )
+    if s.min_world_size < 1:
+        raise ConfigError(f"min_world_size must be 1 or more, got {s.min_world_size}")
+    from .control.membership_client import MembershipClient
+    from .elastic.backend import ElasticBackend
+
+    client = MembershipClient(
+        s.coordinator,
+        token=s.token,
+        tls=s.tls,
+        heartbeat_timeout=s.heartbeat_timeout,
+        min_world_size=s.min_world_size,
+        timeout=s.timeouts.connect,
+    )
+    backend = ElasticBackend(s, client)
+    try:
+        backend.join()
+    except BaseException:
+        backend.close()
+        raise
+    return backend

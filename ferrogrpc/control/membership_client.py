@@ -1,0 +1,294 @@
+"""A process's link to the coordinator of an elastic group (see [Note:
+elastic epochs] in membership.py): entering the next epoch, as a
+rendezvous for that epoch's peer, and heartbeats, on a thread of their own
+so that a busy training loop never delays one."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from ..errors import ConfigError, QuorumLostError, RendezvousError
+from ..options import TLSConfig
+from ..transport.auth import aio_channel, sync_channel, token_metadata
+from ..v1 import rendezvous_pb2 as rpb
+from .coordinator_client import LEAVING_S, SERVICE
+from .membership import LOST_KEY
+from .rendezvous import Activity, RendezvousResult
+
+logger = logging.getLogger("ferrogrpc.elastic")
+
+
+@dataclasses.dataclass
+class Beat:
+    """What this process tells the coordinator in each heartbeat."""
+
+    epoch: int = 0
+    rank: int = 0
+    world_size: int = 0
+    address: str = ""
+    nonce: str = ""
+    host: str = ""
+
+
+class MembershipClient:
+    """Enter epochs (on the caller's event loop) and heartbeat (on a thread
+    of its own, every quarter of ``heartbeat_timeout``). ``on_heartbeat`` is
+    called, on that thread, with every answer."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None,
+        tls: TLSConfig | None,
+        heartbeat_timeout: float,
+        min_world_size: int,
+        timeout: float,
+    ) -> None:
+        if ":" not in target:
+            raise ConfigError(f"coordinator address {target!r} must be host:port")
+        self.target = target
+        self.tls = tls
+        self.timeout = timeout
+        self.min_world_size = min_world_size
+        self.period = heartbeat_timeout / 4
+        self._metadata = token_metadata(token)
+        # This process's identity in the group, across epochs: random, and
+        # shown to nobody but the coordinator.
+        self.peer_id = secrets.token_hex(16)
+        self.beat = Beat()
+        self.activity: Activity = lambda: ("", 0)
+        self.latest: rpb.HeartbeatResponse | None = None
+        self.on_heartbeat: Callable[[rpb.HeartbeatResponse], None] | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._channel: grpc.aio.Channel | None = None
+
+    # --------------------------------------------------------------- enter
+
+    async def enter(
+        self,
+        reason: int,
+        epoch: int,
+        lost: Sequence[int],
+        address: str,
+        nonce: str,
+        host: str,
+    ) -> rpb.EnterResponse:
+        """Enter the epoch after ``epoch``; returns its table. Retries while
+        the coordinator cannot be reached (a restarted coordinator rebuilds
+        its table from heartbeats), up to ``timeout``. Raises QuorumLostError,
+        or RendezvousError."""
+        if self._channel is None:
+            self._channel = aio_channel(self.target, self.tls)
+        call = self._channel.unary_unary(
+            f"/{SERVICE}/Enter",
+            request_serializer=rpb.EnterRequest.SerializeToString,
+            response_deserializer=rpb.EnterResponse.FromString,
+        )
+        request = rpb.EnterRequest(
+            peer_id=self.peer_id,
+            address=address,
+            nonce=nonce,
+            host=host,
+            epoch=epoch,
+            reason=reason,  # type: ignore[arg-type]
+            lost=list(lost),
+            min_world_size=self.min_world_size,
+        )
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                response: rpb.EnterResponse = await call(
+                    request,
+                    timeout=max(1.0, deadline - time.monotonic()),
+                    wait_for_ready=True,
+                    metadata=self._metadata,
+                )
+                return response
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.FAILED_PRECONDITION:
+                    lost_ranks = _lost_ranks(exc)
+                    raise QuorumLostError(
+                        exc.details() or "quorum lost",
+                        lost=lost_ranks,
+                        peer=(lost_ranks[0] if lost_ranks else None),
+                    ) from exc
+                if code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline:
+                    await asyncio.sleep(0.5)  # the coordinator is away: wait for it
+                    continue
+                raise RendezvousError(
+                    f"entering the next epoch through the coordinator at {self.target} failed: "
+                    f"{code.name} {exc.details()}"
+                ) from exc
+
+    async def commit(self, epoch: int, n: int) -> bool:
+        """The n-th gradient sync of ``epoch`` finished here: True once it did
+        on every member, False if the epoch is being replaced (members were
+        lost: redo it in the next epoch). With the coordinator away, True:
+        training goes on without it (a member lost at the same moment is
+        then found by the next collective)."""
+        if self._channel is None:
+            self._channel = aio_channel(self.target, self.tls)
+        call = self._channel.unary_unary(
+            f"/{SERVICE}/Commit",
+            request_serializer=rpb.CommitRequest.SerializeToString,
+            response_deserializer=rpb.CommitResponse.FromString,
+        )
+        request = rpb.CommitRequest(peer_id=self.peer_id, epoch=epoch, n=n)
+        try:
+            response: rpb.CommitResponse = await call(
+                request, timeout=self.timeout, metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                logger.warning("commit without the coordinator (%s)", exc.code().name)
+                return True
+            raise RendezvousError(
+                f"committing a sync through the coordinator at {self.target} failed: "
+                f"{exc.code().name} {exc.details()}"
+            ) from exc
+        return bool(response.commit)
+
+    async def close_channel(self) -> None:
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            await channel.close(None)
+
+    # ---------------------------------------------------------- heartbeats
+
+    def start(self) -> None:
+        """Start heartbeating (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="ferrogrpc-heartbeat", daemon=True
+            )
+            self._thread.start()
+
+    def _request(self, leaving: bool = False) -> rpb.HeartbeatRequest:
+        with self._lock:
+            beat = dataclasses.replace(self.beat)
+        collective, seq = self.activity()
+        return rpb.HeartbeatRequest(
+            rank=beat.rank,
+            peer_id=self.peer_id,
+            epoch=beat.epoch,
+            world_size=beat.world_size,
+            address=beat.address,
+            nonce=beat.nonce,
+            host=beat.host,
+            min_world_size=self.min_world_size,
+            collective=collective,
+            seq=seq,
+            leaving=leaving,
+        )
+
+    def heartbeat_once(self, timeout: float) -> rpb.HeartbeatResponse | None:
+        """One heartbeat now, from this thread (None if it failed)."""
+        with sync_channel(self.target, self.tls) as channel:
+            return self._beat(_beat_stub(channel), timeout)
+
+    def _beat(self, stub: Any, timeout: float) -> rpb.HeartbeatResponse | None:
+        try:
+            response: rpb.HeartbeatResponse = stub(
+                self._request(), timeout=timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            logger.debug("heartbeat to %s failed: %s", self.target, code)
+            return None
+        self.latest = response
+        return response
+
+    def _run(self) -> None:
+        with sync_channel(self.target, self.tls) as channel:
+            stub = _beat_stub(channel)
+            while not self._stop.is_set():
+                response = self._beat(stub, timeout=max(self.period, 0.5))
+                if response is not None and self.on_heartbeat is not None:
+                    try:
+                        self.on_heartbeat(response)
+                    except Exception:  # never let a callback stop the heartbeats
+                        logger.exception("elastic heartbeat callback failed")
+                self._stop.wait(self.period)
+
+    def set_beat(self, beat: Beat) -> None:
+        with self._lock:
+            self.beat = beat
+
+    def close(self) -> None:
+        """Stop heartbeating, and tell the coordinator this process leaves."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        with (
+            contextlib.suppress(grpc.RpcError),
+            sync_channel(self.target, self.tls) as channel,
+        ):
+            _beat_stub(channel)(
+                self._request(leaving=True), timeout=LEAVING_S, metadata=self._metadata
+            )
+
+
+def _beat_stub(channel: grpc.Channel) -> Any:
+    return channel.unary_unary(
+        f"/{SERVICE}/Heartbeat",
+        request_serializer=rpb.HeartbeatRequest.SerializeToString,
+        response_deserializer=rpb.HeartbeatResponse.FromString,
+    )
+
+
+def _lost_ranks(exc: grpc.aio.AioRpcError) -> list[int]:
+    trailing: Any = exc.trailing_metadata() or ()
+    for key, value in trailing:
+        if key == LOST_KEY and isinstance(value, str) and value:
+            return [int(v) for v in value.split(",")]
+    return []
+
+
+class EpochRendezvous:
+    """The rendezvous of one epoch's peer: entering that epoch through the
+    coordinator (``reason``: join, grow or recover, from ``epoch``, with
+    ``lost`` ranks found lost). The answer stays in ``response``."""
+
+    def __init__(
+        self, client: MembershipClient, reason: int, epoch: int, lost: Sequence[int] = ()
+    ) -> None:
+        self.client = client
+        self.reason = reason
+        self.epoch = epoch
+        self.lost = list(lost)
+        self.response: rpb.EnterResponse | None = None
+
+    async def exchange(
+        self, rank: int | None, world_size: int | None, address: str, nonce: str, host: str = ""
+    ) -> RendezvousResult:
+        response = await self.client.enter(self.reason, self.epoch, self.lost, address, nonce, host)
+        self.response = response
+        return RendezvousResult(
+            response.rank,
+            response.world_size,
+            list(response.addresses),
+            list(response.nonces),
+            list(response.hosts),
+        )
+
+    def start_heartbeats(self, activity: Activity) -> None:
+        self.client.activity = activity
+
+    async def close(self) -> None:
+        """Nothing: the client outlives every epoch."""

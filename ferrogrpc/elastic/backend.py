@@ -1,0 +1,514 @@
+"""The elastic backend: a blocking Backend whose group changes while it
+trains, one epoch at a time (see [Note: elastic epochs] in
+control/membership.py).
+
+Each epoch is an ordinary ferrogrpc group: a Peer on this backend's event
+loop, formed through the coordinator. A collective that fails because a
+member is lost breaks that epoch only: :meth:`ElasticBackend.recover` closes
+it and enters the next one with the survivors, renumbered densely in their
+old order. Joiners are admitted at step boundaries (:meth:`boundary`, which
+``ElasticState.steps`` calls), where every member agrees, in one tiny
+all-reduce, whether any wait. A heartbeat thread keeps the coordinator
+informed; when it learns that the group moves on without finishing this
+epoch (a member went silent, or this process itself was removed), it breaks
+this epoch's peer, so that whatever waits in it fails at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from ..control.membership_client import Beat, EpochRendezvous, MembershipClient
+from ..control.rendezvous import route_host
+from ..env import Settings
+from ..errors import (
+    CollectiveTimeoutError,
+    ConfigError,
+    Evidence,
+    FerroGrpcError,
+    PeerError,
+    QuorumLostError,
+    RendezvousError,
+)
+from ..runtime.allocator import tune_allocator
+from ..runtime.backend import Backend, is_loopback, start_loop
+from ..runtime.peer import Peer
+from ..v1 import rendezvous_pb2 as rpb
+
+logger = logging.getLogger("ferrogrpc.elastic")
+
+
+class GroupState(Protocol):
+    """What a member hands to joiners (ElasticState, state.py)."""
+
+    step: int
+
+    def send_to_joiners(self, joined_from: int) -> None: ...
+    def receive_from_members(self, joined_from: int) -> int: ...
+    def rejoined(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Membership:
+    """An elastic group's current epoch: its number (1 for the first), its
+    size, and its members' addresses in rank order."""
+
+    epoch: int
+    world_size: int
+    members: tuple[str, ...]
+
+
+class ElasticBackend:
+    """A Backend whose membership may change (``init_backend(elastic=True)``).
+
+    ``rank``, ``world_size`` and ``membership`` are the current epoch's. Its
+    collectives are a Backend's, run in the current epoch: one that fails
+    because a member is lost raises as it would on a Backend; DDP's
+    ``sync_gradients()`` and ``ElasticState.steps()`` recover from it (a
+    loop of your own may call :meth:`recover`). A process that joins a
+    running group is admitted at the members' next step boundary, in its
+    first ``steps()``: until then its ``rank`` is -1.
+
+    Synchronizes: every collective, as on a Backend, within the epoch;
+    :meth:`recover` and :meth:`boundary` through the coordinator.
+
+    Raises:
+        QuorumLostError: fewer than ``min_world_size`` members remain.
+        RendezvousError: the coordinator could not be reached within the
+            connect timeout when the group had to change.
+    """
+
+    elastic = True
+
+    def __init__(self, settings: Settings, client: MembershipClient) -> None:
+        self._s = settings
+        self._client = client
+        assert settings.coordinator is not None
+        target_host = settings.coordinator.rsplit(":", 1)[0]
+        loopback = is_loopback(target_host)
+        self._bind = settings.bind_host or ("127.0.0.1" if loopback else "0.0.0.0")
+        self._advertise = settings.advertise_host or (
+            "127.0.0.1" if loopback else route_host(target_host)
+        )
+        tune_allocator(settings.malloc_tuning is not False, cap_arenas=not settings.user_arena_max)
+        self._loop, self._thread = start_loop(settings.reduce_threads)
+        self._current: Backend | None = None
+        self._epoch = 0
+        self._joined_from = 0
+        self._membership = Membership(0, 0, ())
+        # Set from the heartbeat thread: the group moved on without this
+        # epoch (the ranks it removed), or without this process.
+        self._removed_ranks: list[int] = []
+        self._removed_me = False
+        self._lock = threading.Lock()
+        self._closed = False
+        # The state a joiner receives, and members send (ElasticState).
+        self.state: GroupState | None = None
+        # Where this process is (see _settle): the step it runs, 0 at its
+        # boundary or 1 in its gradient sync; the gradient syncs of this
+        # epoch so far (each committed through the coordinator); the
+        # position the last new epoch agreed on.
+        self._step = 0
+        self._phase = 0
+        self._syncs = 0
+        self._last_target = 0
+        client.on_heartbeat = self._on_heartbeat
+
+    # ------------------------------------------------------------ identity
+
+    @property
+    def rank(self) -> int:
+        return self._current.rank if self._current is not None else -1
+
+    @property
+    def world_size(self) -> int:
+        return self._membership.world_size
+
+    @property
+    def membership(self) -> Membership:
+        return self._membership
+
+    @property
+    def address(self) -> str:
+        return self._current.address if self._current is not None else ""
+
+    @property
+    def data_path(self) -> str:
+        return self._current.data_path if self._current is not None else "none"
+
+    @property
+    def peer(self) -> Peer:
+        return self._require().peer
+
+    @property
+    def step_index(self) -> int:
+        """The step this process is at (set at each step boundary)."""
+        return self._step
+
+    @property
+    def joined_from(self) -> int:
+        """Ranks at and above this one joined in the current epoch."""
+        return self._joined_from
+
+    def _require(self) -> Backend:
+        if self._current is None:
+            raise ConfigError(
+                "this process is not a member of the group yet: it is admitted at the "
+                "group's next step boundary, in its first ElasticState.steps()"
+            )
+        return self._current
+
+    # --------------------------------------------------------- collectives
+
+    def __getattr__(self, name: str) -> Any:
+        # The collectives (all_reduce, broadcast, ...) are the current
+        # epoch's Backend's.
+        if name in _COLLECTIVES:
+            return getattr(self._require(), name)
+        raise AttributeError(f"'ElasticBackend' object has no attribute {name!r}")
+
+    # -------------------------------------------------------------- epochs
+
+    def _enter(self, reason: int, lost: Sequence[int] = ()) -> rpb.EnterResponse:
+        """Close this epoch's peer, if any, and start the next epoch's
+        through the coordinator. Blocks until that epoch formed."""
+        old = self._current
+        rendezvous = EpochRendezvous(self._client, reason, self._epoch, lost)
+        s = self._s
+
+        async def run() -> Peer:
+            if old is not None:
+                await old.peer.close()
+            return await Peer.start(
+                None,
+                None,
+                rendezvous=rendezvous,
+                bind_host=self._bind,
+                port=s.port,
+                advertise_host=self._advertise,
+                settings=s,
+            )
+
+        self._current = None
+        starting = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        try:
+            peer = starting.result(timeout=s.timeouts.connect + 30)
+        except BaseException as exc:
+            starting.cancel()
+            with contextlib.suppress(BaseException):
+                starting.result(timeout=10)
+            if isinstance(exc, TimeoutError) and not isinstance(exc, FerroGrpcError):
+                raise RendezvousError(
+                    f"the next epoch did not form within {s.timeouts.connect + 30:g}s"
+                ) from exc
+            raise
+        response = rendezvous.response
+        assert response is not None
+        with self._lock:
+            self._current = Backend(peer, self._loop, self._thread)
+            self._epoch = int(response.epoch)
+            self._joined_from = int(response.joined_from)
+            self._removed_ranks = []
+            self._removed_me = False
+            self._syncs = 0
+            self._membership = Membership(
+                self._epoch, int(response.world_size), tuple(response.addresses)
+            )
+        self._client.set_beat(
+            Beat(
+                epoch=self._epoch,
+                rank=peer.rank,
+                world_size=peer.world_size,
+                address=peer.address,
+                nonce=str(response.nonces[peer.rank]),
+                host=str(response.hosts[peer.rank]) if response.hosts else "",
+            )
+        )
+        logger.info(
+            "epoch %d: rank %d of %d (%s)",
+            self._epoch,
+            peer.rank,
+            peer.world_size,
+            rpb.EnterReason.Name(reason),
+        )
+        return response
+
+    def join(self) -> None:
+        """Enter the group: a member of the first epoch if it is forming
+        (blocks until it formed), else a joiner that waits for the members'
+        next boundary (in :meth:`boundary`)."""
+        self._client.start()
+        latest = self._client.heartbeat_once(timeout=max(1.0, self._s.timeouts.connect))
+        if latest is not None and latest.epoch > 0:
+            return  # a running group: admitted at its next step boundary
+        self._enter(rpb.ENTER_JOIN)
+
+    @property
+    def joining(self) -> bool:
+        """Whether this process waits to be admitted (not a member yet)."""
+        return self._current is None
+
+    def recover(self, cause: FerroGrpcError | None = None) -> bool:
+        """After a collective of the current epoch failed (with ``cause``):
+        enter the next epoch with the survivors, reporting the rank
+        ``cause`` names if it is lost (gone, or silent), and agree with them
+        on where the group is. Returns True if this process was no longer a
+        member and joined again: it then holds the group's state (received
+        through its ElasticState), and the step it was in is discarded.
+
+        Raises:
+            QuorumLostError: fewer than ``min_world_size`` would remain.
+        """
+        with self._lock:
+            removed_me = self._removed_me
+            lost = list(self._removed_ranks)
+        if (
+            cause is not None
+            and cause.peer is not None
+            and (
+                cause.evidence is Evidence.UNREACHABLE or isinstance(cause, CollectiveTimeoutError)
+            )
+            and cause.peer not in lost
+        ):
+            lost.append(cause.peer)
+        was = self.rank
+        reason = rpb.ENTER_JOIN if removed_me or self._current is None else rpb.ENTER_RECOVER
+        try:
+            self._enter(reason, lost)
+        except QuorumLostError as exc:
+            raise self._quorum_lost(exc, lost) from exc
+        rejoined = reason == rpb.ENTER_JOIN or self.rank >= self._joined_from
+        if rejoined:
+            logger.info("rank %d of the last epoch joined again as rank %d", was, self.rank)
+        self._settle()
+        return rejoined
+
+    def _settle(self) -> int:
+        """Every member of a new epoch, in the same order: the members hand
+        the group's state to those new in it, then all agree on where the
+        group is. Returns the furthest position (2 x step, + 1 inside a
+        step's gradient sync): a member behind it skips ahead to it."""
+        if self._joined_from < self.world_size:
+            if self.rank >= self._joined_from:
+                self._receive_state()
+            else:
+                assert self.state is not None
+                self.state.send_to_joiners(self._joined_from)
+        position = torch.tensor([2 * self._step + self._phase], dtype=torch.int64)
+        self._require().all_reduce(position, "max")
+        self._last_target = int(position.item())
+        return self._last_target
+
+    def _receive_state(self) -> None:
+        if self.state is None:
+            raise ConfigError(
+                "this process joined a running elastic group without an ElasticState to "
+                "receive the group's state into: build fg.ElasticState(model, optimizer) "
+                "before the first step"
+            )
+        self._step = self.state.receive_from_members(self._joined_from)
+        self.state.step = self._step
+        self._phase = 0
+
+    def _quorum_lost(self, exc: QuorumLostError, reported: list[int]) -> QuorumLostError:
+        lost = exc.lost or reported
+        return QuorumLostError(
+            f"the elastic group lost its quorum: {exc.message}",
+            lost=lost,
+            rank=self.rank if self._current is not None else None,
+            world_size=self._membership.world_size,
+            peer=lost[0] if lost else None,
+        )
+
+    def boundary(self, step: int) -> bool:
+        """A step boundary, before ``step`` (``ElasticState.steps`` calls
+        it): a joiner is admitted here and receives the group's state;
+        members agree whether joiners wait and, if so, admit them and send
+        them the state. Returns True if this process received the state
+        here (the group's step index came with it: ``ElasticState.step``)."""
+        self._step, self._phase = step, 0
+        received = False
+        while True:
+            try:
+                if self._current is None:
+                    self._enter(rpb.ENTER_JOIN)
+                    received = True
+                    if self._settle() > 2 * self._step:
+                        return received
+                    continue
+                with self._lock:
+                    superseded = self._removed_me or bool(self._removed_ranks)
+                broken = self.peer._life.broken
+                if superseded or broken is not None:
+                    received = self.recover(broken) or received
+                    if 2 * self._step < self._last_target:
+                        return received
+                    continue
+                latest = self._client.latest
+                # (An answer from before this epoch formed may still count
+                # the joiners it admitted.)
+                waiting = (
+                    1
+                    if latest is not None
+                    and latest.joiners_waiting
+                    and latest.epoch >= self._epoch
+                    and latest.epoch > 0
+                    else 0
+                )
+                flag = torch.tensor([waiting], dtype=torch.int32)
+                self._require().all_reduce(flag, "max")
+                if int(flag.item()) == 0:
+                    return received
+                self._enter(rpb.ENTER_GROW)
+                if self._settle() > 2 * self._step:
+                    return received
+            except QuorumLostError:
+                raise
+            except FerroGrpcError as exc:
+                if self._closed:
+                    raise
+                logger.info("the epoch failed at a step boundary (%s): recovering", exc)
+                received = self.recover(exc) or received
+                if 2 * self._step < self._last_target:
+                    return received
+
+    def run_sync(self, attempt: Callable[[], Callable[[], None]]) -> bool:
+        """Run a gradient sync (DDP's), redone in the next epoch if members
+        are lost. ``attempt()`` runs the collectives and returns what writes
+        the result (the ``.grad`` views), called only once every member
+        committed this sync through the coordinator: a lost member may have
+        sent its last part to some survivors and not to others. Returns True
+        if this process joined again instead: the step is discarded."""
+        self._phase = 1
+        while True:
+            try:
+                write = attempt()
+                if self._commit():
+                    write()
+                    return False
+                cause: FerroGrpcError = PeerError(
+                    "the group lost members before this sync was committed: it is redone "
+                    "with the survivors",
+                    rank=self.rank,
+                )
+            except QuorumLostError:
+                raise
+            except FerroGrpcError as exc:
+                cause = exc
+            if self.recover(cause):
+                if self.state is not None:
+                    self.state.rejoined()
+                return True
+
+    def _commit(self) -> bool:
+        """Commit this epoch's next sync through the coordinator. A member
+        lost after its last part was sent is found here: this epoch's peer
+        breaks before every member committed, and the sync is redone."""
+        n = self._syncs
+        self._syncs += 1
+        asking = asyncio.run_coroutine_threadsafe(self._client.commit(self._epoch, n), self._loop)
+        life = self._require().peer._life
+        while True:
+            try:
+                return asking.result(timeout=0.05)
+            except concurrent.futures.TimeoutError:
+                broken = life.broken
+                if broken is not None:
+                    asking.cancel()
+                    raise broken from None
+
+    # ---------------------------------------------------------- heartbeats
+
+    def _on_heartbeat(self, response: rpb.HeartbeatResponse) -> None:
+        """On the heartbeat thread: break this epoch's peer if the group
+        moves on without finishing it (members removed), or without this
+        process."""
+        current = self._current
+        if current is None or self._epoch == 0:
+            return
+        removed_me = not response.member and response.epoch >= self._epoch
+        removed = list(response.removed) if response.epoch == self._epoch else []
+        moving_on = response.recover_pending and response.epoch == self._epoch
+        if not (removed_me or (moving_on and removed)):
+            return
+        with self._lock:
+            if current is not self._current:
+                return
+            self._removed_me = self._removed_me or removed_me
+            self._removed_ranks = sorted(set(self._removed_ranks) | set(removed))
+        if removed_me:
+            message = (
+                "this process was removed from the elastic group (silent past "
+                "FERROGRPC_HEARTBEAT_TIMEOUT): it joins again at the next step boundary"
+            )
+            culprit = None
+        else:
+            message = (
+                f"ranks {removed} of epoch {self._epoch} were removed from the elastic group "
+                "(lost, or silent past FERROGRPC_HEARTBEAT_TIMEOUT): the group moves on "
+                "without them"
+            )
+            culprit = removed[0]
+        peer = current.peer
+
+        def breaking() -> None:
+            err = peer._me.error(PeerError, message, peer=culprit, evidence=Evidence.UNREACHABLE)
+            peer._ctx.failure.declare(err, broadcast=False)
+
+        with contextlib.suppress(RuntimeError):  # the loop is closing
+            self._loop.call_soon_threadsafe(breaking)
+
+    # --------------------------------------------------------------- close
+
+    def close(self) -> None:
+        """Leave the group and release everything. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._client.close()
+        current = self._current
+        if current is not None:
+            current.close()  # stops the loop thread too
+        else:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            if not self._loop.is_running() and not self._loop.is_closed():
+                self._loop.close()
+
+    def __enter__(self) -> ElasticBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        m = self._membership
+        return f"<ferrogrpc.ElasticBackend rank {self.rank}/{m.world_size} epoch {m.epoch}>"
+
+
+_COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_reduce_coalesced",
+        "broadcast",
+        "barrier",
+        "all_to_all_single",
+        "send",
+        "recv",
+        "recv_any",
+        "submit",
+    }
+)

@@ -1,0 +1,414 @@
+"""What a joiner of an elastic group receives: ``ElasticState``.
+
+The state is the model's parameters and buffers, the optimizer's state, the
+step index and a JSON-able ``extra``. It travels as a JSON header (names,
+dtypes, shapes, the optimizer's hyperparameters, the step, ``extra``) and
+one byte stream: every tensor's raw bytes, in header order. The stream is
+cut into as many stripes as there are members, and member i sends stripe i
+to every joiner, all members at once, as point-to-point messages of the
+epoch's peer: checksummed per part and sent only to an admitted, known peer
+(see p2p.py). Nothing is pickled. A joiner checks the header against its
+own model before it touches anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError, FerroGrpcError
+from ..runtime.work import Work
+from .backend import ElasticBackend
+
+logger = logging.getLogger("ferrogrpc.elastic")
+
+# Point-to-point tags of the state transfer (users' tags are best kept
+# below these).
+HEADER_TAG = 0xFE57A7E0
+DATA_TAG = HEADER_TAG + 1
+# The most bytes one message of a stripe carries; a segment smaller than
+# PACK_BELOW is packed with its neighbours into one message.
+MESSAGE_BYTES = 32 * 2**20
+PACK_BELOW = 4 * 2**20
+FORMAT = 1
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Segment:
+    tensor: int  # index into the tensor list
+    lo: int  # byte range within that tensor
+    hi: int
+
+
+def _dtype_name(dtype: torch.dtype, what: str) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ConfigError(f"ElasticState: {what} has dtype {dtype}, which it cannot send")
+    return name
+
+
+def _stripes(total: int, members: int) -> list[tuple[int, int]]:
+    """Byte ranges of the stream, one per member, 64-byte aligned."""
+    step = -(-total // members)
+    step = -(-step // 64) * 64
+    return [(min(total, i * step), min(total, (i + 1) * step)) for i in range(members)]
+
+
+def _messages(sizes: list[int], lo: int, hi: int) -> list[list[_Segment]]:
+    """The messages of stripe [lo, hi) of the stream of tensors of ``sizes``
+    bytes: a large segment travels alone (straight from and into its
+    tensor), small neighbours are packed together; none exceeds
+    MESSAGE_BYTES. Members and joiners compute the same list."""
+    messages: list[list[_Segment]] = []
+    packed: list[_Segment] = []
+    packed_bytes = 0
+    start = 0
+    for index, size in enumerate(sizes):
+        end = start + size
+        a, b = max(lo, start), min(hi, end)
+        if a < b:
+            seg_lo, seg_hi = a - start, b - start
+            if seg_hi - seg_lo >= PACK_BELOW:
+                if packed:
+                    messages.append(packed)
+                    packed, packed_bytes = [], 0
+                for cut in range(seg_lo, seg_hi, MESSAGE_BYTES):
+                    messages.append([_Segment(index, cut, min(seg_hi, cut + MESSAGE_BYTES))])
+            else:
+                if packed_bytes + (seg_hi - seg_lo) > MESSAGE_BYTES:
+                    messages.append(packed)
+                    packed, packed_bytes = [], 0
+                packed.append(_Segment(index, seg_lo, seg_hi))
+                packed_bytes += seg_hi - seg_lo
+        start = end
+    if packed:
+        messages.append(packed)
+    return messages
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes, as a flat uint8 view (``t`` contiguous, on the CPU)."""
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+class ElasticState:
+    """What a process joining an elastic group receives from its members:
+    ``model``'s parameters and buffers, ``optimizer``'s state, the step
+    index and ``extra`` (JSON-able: numbers, strings, lists, dicts).
+
+    ``model`` is an ``fg.DDP`` over an elastic backend
+    (``init_backend(elastic=True)``). Build the state before the first step,
+    on every process, members and joiners alike.
+
+    ``state.step`` is the current step index; ``state.extra`` holds the
+    group's ``extra`` once a joiner received it (members may change theirs
+    between steps: a joiner gets it as it is at the boundary where it is
+    admitted).
+
+    Synchronizes: ``steps()`` at each step boundary (see
+    :meth:`ElasticBackend.boundary`). Failure: a member lost while the state
+    is sent fails the transfer on the joiners and the members; the group then
+    forms again without it, and the joiners receive the state anew.
+
+    Raises:
+        ConfigError: ``model`` is not a DDP over an elastic backend,
+            ``extra`` is not JSON-able, or (on a joiner) its model or
+            optimizer differs from the members' (the names, shapes or
+            dtypes it differs in are named).
+    """
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Any = None
+    ) -> None:
+        backend = getattr(model, "backend", None)
+        if not isinstance(backend, ElasticBackend):
+            raise ConfigError(
+                "ElasticState needs a model wrapped by fg.DDP over an elastic backend "
+                "(fg.init_backend(coordinator=..., elastic=True))"
+            )
+        try:
+            json.dumps(extra)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"ElasticState: extra must be JSON-able: {exc}") from None
+        broadcast = getattr(model, "broadcast_parameters", None)
+        inner = getattr(model, "module", None)
+        if broadcast is None or not isinstance(inner, nn.Module):
+            raise ConfigError("ElasticState needs the fg.DDP wrapper itself, not its module")
+        self._wrapper: Any = model
+        self.model = inner
+        self.optimizer = optimizer
+        self.extra = extra
+        self.step = 0
+        self._backend: ElasticBackend = backend
+        self._started = False
+        self._rejoined = False
+        self._groups_json(optimizer.state_dict())  # JSON-able hyperparameters, or ConfigError
+        backend.state = self
+
+    # ------------------------------------------------------------- the loop
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the step indices up to ``total``, at each step boundary
+        admitting the processes that wait to join. On a joiner (and on a
+        member that was removed and joined again), the first index is the
+        group's current step, received with the state.
+
+        Raises:
+            QuorumLostError: fewer than ``min_world_size`` members remain.
+        """
+        backend = self._backend
+        if not self._started:
+            self._started = True
+            if not backend.joining and backend.membership.epoch == 1 and self.step == 0:
+                self._same_start()
+        step = self.step
+        while True:
+            self._rejoined = False
+            if backend.boundary(step):
+                step = self.step
+            if step >= total:
+                return
+            self.step = step
+            yield step
+            step = self.step if self._rejoined else step + 1
+            self.step = step
+
+    def _same_start(self) -> None:
+        """The first epoch's members start from rank 0's parameters and
+        buffers (redone in the next epoch if a member is lost meanwhile)."""
+        while True:
+            try:
+                self._wrapper.broadcast_parameters(0)
+                return
+            except FerroGrpcError as exc:
+                self._backend.recover(exc)
+
+    def rejoined(self) -> None:
+        """This process joined again inside a step (DDP's sync): the step it
+        ran is discarded, and the next one is the group's (``self.step``)."""
+        self._rejoined = True
+
+    # ------------------------------------------------------------ the state
+
+    def _tensors(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+        """Every tensor in stream order, with its name, and the optimizer's
+        state dict with tensors replaced by ``{"tensor": index}``."""
+        named: list[tuple[str, torch.Tensor]] = []
+        for name, p in self.model.named_parameters():
+            named.append((f"param:{name}", p.detach()))
+        for name, b in self.model.named_buffers():
+            named.append((f"buffer:{name}", b.detach()))
+        sd = self.optimizer.state_dict()
+        state: dict[str, dict[str, Any]] = {}
+        for key, entry in sd["state"].items():
+            out: dict[str, Any] = {}
+            for field, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    out[field] = {"tensor": len(named)}
+                    named.append((f"optimizer:{key}.{field}", value.detach()))
+                else:
+                    out[field] = value
+            state[str(key)] = out
+        return named, {"state": state, "param_groups": self._groups_json(sd)}
+
+    @staticmethod
+    def _groups_json(sd: dict[str, Any]) -> list[dict[str, Any]]:
+        groups = [dict(g) for g in sd["param_groups"]]
+        try:
+            json.dumps(groups)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"ElasticState: the optimizer's hyperparameters must be JSON-able to reach a "
+                f"joiner: {exc}"
+            ) from None
+        return groups
+
+    def send_to_joiners(self, joined_from: int) -> None:
+        """On a member of a new epoch: send ranks ``joined_from`` and above
+        (the joiners) this process's stripe of the state; rank 0 sends the
+        header too. Blocks until sent."""
+        backend = self._backend
+        rank, world = backend.rank, backend.world_size
+        named, optimizer = self._tensors()
+        cpu = [
+            t.contiguous().cpu() if (t.device.type != "cpu" or not t.is_contiguous()) else t
+            for _, t in named
+        ]
+        works: list[Work[Any]] = []
+        if rank == 0:
+            header = {
+                "format": FORMAT,
+                "step": backend.step_index,
+                "extra": self.extra,
+                "tensors": [[name, _dtype_name(t.dtype, name), list(t.shape)] for name, t in named],
+                "optimizer": optimizer,
+            }
+            raw = json.dumps(header).encode()
+            body = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            length = torch.tensor([len(raw)], dtype=torch.int64)
+            for joiner in range(joined_from, world):
+                works.append(backend.send(length, joiner, HEADER_TAG, async_op=True))
+                works.append(backend.send(body, joiner, HEADER_TAG, async_op=True))
+        sizes = [t.numel() * t.element_size() for t in cpu]
+        lo, hi = _stripes(sum(sizes), joined_from)[rank]
+        for message in _messages(sizes, lo, hi):
+            if len(message) == 1:
+                seg = message[0]
+                data = _bytes(cpu[seg.tensor])[seg.lo : seg.hi]
+            else:
+                data = torch.cat([_bytes(cpu[s.tensor])[s.lo : s.hi] for s in message])
+            for joiner in range(joined_from, world):
+                works.append(backend.send(data, joiner, DATA_TAG, async_op=True))
+        for work in works:
+            work.wait()
+        logger.info(
+            "sent %d of %d state bytes to ranks %d..%d",
+            hi - lo,
+            sum(sizes),
+            joined_from,
+            world - 1,
+        )
+
+    def receive_from_members(self, joined_from: int) -> int:
+        """On a joiner: receive the state from members ``0 .. joined_from -
+        1`` (the header from rank 0), check it against this process's model
+        and optimizer, and load it. Returns the group's step index."""
+        backend = self._backend
+        length = torch.zeros(1, dtype=torch.int64)
+        backend.recv(length, 0, HEADER_TAG)
+        body = torch.empty(int(length.item()), dtype=torch.uint8)
+        backend.recv(body, 0, HEADER_TAG)
+        header = json.loads(bytes(body.numpy()))
+        if header.get("format") != FORMAT:
+            raise ConfigError(
+                f"ElasticState: the members sent state format {header.get('format')}, this "
+                f"process reads {FORMAT}: run the same ferrogrpc on every process"
+            )
+        specs = [(str(n), _DTYPES[d], torch.Size(s)) for n, d, s in header["tensors"]]
+        targets = self._targets(specs)
+        sizes = [t.numel() * t.element_size() for t in targets]
+        works: list[tuple[Work[Any], list[_Segment], torch.Tensor | None]] = []
+        for member, (lo, hi) in enumerate(_stripes(sum(sizes), joined_from)):
+            for message in _messages(sizes, lo, hi):
+                if len(message) == 1:
+                    seg = message[0]
+                    into = _bytes(targets[seg.tensor])[seg.lo : seg.hi]
+                    works.append((backend.recv(into, member, DATA_TAG, async_op=True), [], None))
+                else:
+                    buf = torch.empty(sum(s.hi - s.lo for s in message), dtype=torch.uint8)
+                    works.append((backend.recv(buf, member, DATA_TAG, async_op=True), message, buf))
+        for work, packed, staged in works:
+            work.wait()
+            if staged is not None:
+                offset = 0
+                for seg in packed:
+                    n = seg.hi - seg.lo
+                    _bytes(targets[seg.tensor])[seg.lo : seg.hi].copy_(staged[offset : offset + n])
+                    offset += n
+        self._load(specs, targets, header)
+        logger.info("received %d state bytes from %d members", sum(sizes), joined_from)
+        return int(header["step"])
+
+    def _targets(self, specs: list[tuple[str, torch.dtype, torch.Size]]) -> list[torch.Tensor]:
+        """Where each tensor of the stream lands: this process's parameters
+        and buffers (when on the CPU and contiguous), new tensors for the rest."""
+        mine: dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters():
+            mine[f"param:{name}"] = p.detach()
+        for name, b in self.model.named_buffers():
+            mine[f"buffer:{name}"] = b.detach()
+        theirs = {name for name, _, _ in specs}
+        model_theirs = {n for n in theirs if not n.startswith("optimizer:")}
+        missing = sorted(set(mine) - model_theirs)
+        extra = sorted(model_theirs - set(mine))
+        if missing or extra:
+            raise ConfigError(
+                "ElasticState: this process's model differs from the group's: "
+                + "; ".join(
+                    part
+                    for part in (
+                        f"the group has no {', '.join(missing[:5])}" if missing else "",
+                        f"this model has no {', '.join(extra[:5])}" if extra else "",
+                    )
+                    if part
+                )
+            )
+        targets: list[torch.Tensor] = []
+        for name, dtype, shape in specs:
+            own = mine.get(name)
+            if own is not None:
+                if own.dtype != dtype or own.shape != shape:
+                    raise ConfigError(
+                        f"ElasticState: {name} is {own.dtype} {tuple(own.shape)} here and "
+                        f"{dtype} {tuple(shape)} in the group"
+                    )
+                if own.device.type == "cpu" and own.is_contiguous():
+                    targets.append(own)
+                    continue
+            targets.append(torch.empty(shape, dtype=dtype))
+        return targets
+
+    def _load(
+        self,
+        specs: list[tuple[str, torch.dtype, torch.Size]],
+        targets: list[torch.Tensor],
+        header: dict[str, Any],
+    ) -> None:
+        index = {name: i for i, (name, _, _) in enumerate(specs)}
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                self._copy_into(p, f"param:{name}", index, targets)
+            for name, b in self.model.named_buffers():
+                self._copy_into(b, f"buffer:{name}", index, targets)
+        optimizer = header["optimizer"]
+        groups = optimizer["param_groups"]
+        own_groups = self.optimizer.state_dict()["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in own_groups]:
+            raise ConfigError(
+                "ElasticState: this process's optimizer has parameter groups of sizes "
+                f"{[len(g['params']) for g in own_groups]}, the group's "
+                f"{[len(g['params']) for g in groups]}"
+            )
+        state: dict[int, dict[str, Any]] = {}
+        for key, entry in optimizer["state"].items():
+            out: dict[str, Any] = {}
+            for field, value in entry.items():
+                if isinstance(value, dict) and set(value) == {"tensor"}:
+                    out[field] = targets[int(value["tensor"])]
+                else:
+                    out[field] = value
+            state[int(key)] = out
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        self.extra = header["extra"]
+        for p in self.model.parameters():
+            p.grad = None
+
+    @staticmethod
+    def _copy_into(
+        t: torch.Tensor, name: str, index: dict[str, int], targets: list[torch.Tensor]
+    ) -> None:
+        source = targets[index[name]]
+        if source is not t and source.data_ptr() != t.data_ptr():
+            t.copy_(source)

@@ -1,0 +1,120 @@
+"""A rank program: DDP training in an elastic group (FERROGRPC_COORDINATOR,
+elastic=True), one JSON line per completed step.
+
+Every step trains on a fixed global batch (BATCH samples, the same on every
+process); each member takes the slice ``rank::world_size`` it had when the
+step began. A line says the step, the sample indices this process's gradient
+came from, the world size after the sync and the loss. At the end the
+process saves its parameters and optimizer state to OUT_DIR.
+
+Environment:
+  STEPS: the steps to run; WORLD: the full group size (while the group is
+  smaller, each step sleeps SLOW seconds, so that a joiner finds it running).
+  KILL_STEP, KILL_RANK, KILL_AT: rank KILL_RANK SIGKILLs itself at step
+  KILL_STEP, ``before`` its forward or ``backward``, halfway through
+  backward with the first buckets in flight.
+  STOP_STEP, STOP_RANK: that rank SIGSTOPs itself at that step, before its
+  sync (the test sends SIGCONT).
+  OUT_DIR: where the final state goes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+from torch import nn
+
+import ferrogrpc as fg
+
+BATCH = 12
+IN, HIDDEN, OUT = 16, 32, 4
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(IN, HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, OUT),
+    )
+
+
+def main() -> None:
+    steps = int(os.environ.get("STEPS", "40"))
+    world = int(os.environ.get("WORLD", "4"))
+    slow = float(os.environ.get("SLOW", "0.2"))
+    kill_step = int(os.environ.get("KILL_STEP", "-1"))
+    kill_rank = int(os.environ.get("KILL_RANK", "-1"))
+    kill_at = os.environ.get("KILL_AT", "before")
+    stop_step = int(os.environ.get("STOP_STEP", "-1"))
+    stop_rank = int(os.environ.get("STOP_RANK", "-1"))
+    out_dir = os.environ["OUT_DIR"]
+    min_world = int(os.environ.get("MIN_WORLD", "2"))
+
+    backend = fg.init_backend(elastic=True, min_world_size=min_world)
+    net = model()
+    # Small buckets: several are in flight during backward.
+    ddp = fg.DDP(net, backend, bucket_size_bytes=2048)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+    state = fg.ElasticState(ddp, opt, extra={"tag": "elastic-test"})
+    print(json.dumps({"event": "start", "pid": os.getpid(), "t": time.time()}), flush=True)
+    for step in state.steps(steps):
+        x, y = data(step)
+        rank, size = backend.rank, backend.world_size
+        idx = list(range(rank, BATCH, size))
+        if step == kill_step and rank == kill_rank:
+            print(json.dumps({"event": "kill", "t": time.time()}), flush=True)
+            if kill_at == "before":
+                os.kill(os.getpid(), signal.SIGKILL)
+            # Halfway through backward: after the last layer's gradients
+            # (their buckets start), before the first layer's.
+            net[0].weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(ddp(x[idx]), y[idx])
+        loss.backward()
+        if step == stop_step and rank == stop_rank:
+            print(json.dumps({"event": "stopping", "step": step}), flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        ddp.sync_gradients()
+        opt.step()
+        if not any(p.grad is not None for p in net.parameters()):
+            # This process stalled, was removed, and joined again inside
+            # the sync: the step is the group's to finish, not ours.
+            print(json.dumps({"event": "rejoined", "step": step}), flush=True)
+            continue
+        line = {
+            "step": step,
+            "idx": idx,
+            "world": backend.world_size,
+            "rank": backend.rank,
+            "epoch": backend.membership.epoch,
+            "loss": loss.item(),
+            "extra": state.extra,
+            "t": time.time(),
+        }
+        print(json.dumps(line), flush=True)
+        if backend.world_size < world:
+            time.sleep(slow)
+    torch.save(
+        {"params": [p.detach().clone() for p in net.parameters()], "step": state.step},
+        os.path.join(out_dir, f"final-{os.getpid()}.pt"),
+    )
+    print(json.dumps({"event": "done", "rank": backend.rank}), flush=True)
+    backend.close()
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
