@@ -192,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
 
         argv.remove("--latency")
         return latency_main(argv)
+    if "--elastic" in argv:
+        # A lost member and a joiner: recovery, admission, state transfer.
+        from client.bench_elastic import main as elastic_main
+
+        argv.remove("--elastic")
+        return elastic_main(argv)
     if "--torch" in argv:
         # torch's DDP on gloo and on ferrogrpc (and ferrogrpc's own DDP),
         # same model, same run.
@@ -210,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--no-checksum", action="store_true", help="turn the chunk checksum off")
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="instead: a lost member and a joiner in an elastic group (client.bench_elastic)",
+    )
     parser.add_argument(
         "--latency",
         action="store_true",

@@ -289,6 +289,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--elastic" in argv:
+        from client.demo_elastic import main as elastic_main
+
+        return elastic_main([a for a in argv if a != "--elastic"])
     parser = argparse.ArgumentParser(
         prog="ferrogrpc demo",
         description=__doc__,
@@ -301,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--plot", default="ferrogrpc-demo-loss.png", help="where to write the PNG")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="instead: an elastic group that loses a rank and admits a replacement "
+        "(ferrogrpc demo --elastic --help)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -129,6 +129,46 @@ def train(
     return wrapper, losses
 
 
+def train_elastic(
+    backend: fg.ElasticBackend,
+    steps: int,
+    batch: int,
+    lr: float,
+    hidden: int = 64,
+    seed: int = 0,
+    on_step: object = None,
+    step_sleep: float = 0.0,
+) -> tuple[nn.Module, list[float]]:
+    """Train ``steps`` steps in an elastic group (DDP): ranks may be lost and
+    processes join meanwhile (README, "Elastic training"). Each step's loss
+    is the whole batch's, after the step: the same on every member, since
+    their parameters are. Returns the wrapper and the losses this process
+    saw (a joiner's begin at the step it joined)."""
+    model = build_model(hidden, seed)
+    ddp = fg.DDP(model, backend)
+    opt = make_optimizer(ddp.parameters(), lr)
+    state = fg.ElasticState(ddp, opt)
+    losses = []
+    for step in state.steps(steps):
+        x, y = global_batch(step, batch, seed)
+        rank, world = backend.rank, backend.world_size
+        opt.zero_grad()
+        # Every world_size-th sample: any world size divides the batch.
+        loss = nn.functional.mse_loss(ddp(x[rank::world]), y[rank::world])
+        loss.backward()  # type: ignore[no-untyped-call]
+        ddp.sync_gradients()
+        if all(p.grad is None for p in model.parameters()):
+            continue  # removed (a stall) and joined again: the step is the group's
+        opt.step()
+        with torch.no_grad():
+            losses.append(float(nn.functional.mse_loss(model(x), y).item()))
+        if callable(on_step):
+            on_step(step, losses[-1], ddp, (rank, world))
+        if step_sleep:
+            time.sleep(step_sleep)
+    return ddp, losses
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -139,8 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="an elastic group (also FERROGRPC_ELASTIC=1): needs a coordinator; DDP only",
+    )
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds after each step")
     args = parser.parse_args(argv)
     start = time.monotonic()
+    if args.elastic or os.environ.get("FERROGRPC_ELASTIC", "") not in ("", "0"):
+        return main_elastic(args, start)
     with fg.init_backend() as backend:
         rank, world = backend.rank, backend.world_size
         emit(
@@ -167,6 +215,39 @@ def main(argv: list[str] | None = None) -> int:
         )
         backend.barrier()
         emit({"event": "done", "rank": rank, "seconds": round(time.monotonic() - start, 3)})
+    return 0
+
+
+def main_elastic(args: argparse.Namespace, start: float) -> int:
+    if args.mode != "ddp":
+        raise fg.ConfigError("an elastic group trains with DDP only (--mode ddp)")
+    with fg.init_backend(elastic=True) as backend:
+        emit({"event": "joined", "address": backend.address, "member": not backend.joining})
+
+        def log(step: int, loss: float, wrapper: nn.Module, part: tuple[int, int]) -> None:
+            emit(
+                {
+                    "rank": backend.rank,
+                    "world_size": backend.world_size,
+                    "epoch": backend.membership.epoch,
+                    "slice": part,  # (rank, world_size) when the step began
+                    "step": step,
+                    "loss": round(loss, 12),
+                    "checksum": checksum(wrapper, backend),  # type: ignore[arg-type]
+                }
+            )
+
+        train_elastic(
+            backend,
+            args.steps,
+            args.batch,
+            args.lr,
+            args.hidden,
+            args.seed,
+            on_step=log,
+            step_sleep=args.step_sleep,
+        )
+        emit({"event": "done", "rank": backend.rank, "seconds": round(time.monotonic() - start, 3)})
     return 0
 
 

@@ -499,3 +499,82 @@ def test_docker_kill_of_a_replica_is_named_by_every_other_in_time(
         assert kind == "PeerError", message
         assert f"peer {VICTIM} ({victim_address})" in message, message
         assert exited < DETECT_S, f"rank {rank} exited {exited:.2f}s after the kill: {message}"
+
+
+@pytest.mark.timeout(BUILD_TIMEOUT_S + 300)
+def test_elastic_compose_survives_a_docker_kill_and_a_scaled_up_replica_joins(
+    image: Image, tmp_path: Path, report: Callable[[str], None]
+) -> None:
+    # README, "Elastic training": up --scale rank=4; docker kill one replica
+    # mid-run, the other three go on; up -d --scale rank=4 again, and the new
+    # replica joins. Every step, every member logs the same loss and
+    # parameter checksum.
+    steps = 400
+    variables = {
+        "FERROGRPC_ELASTIC": "1",
+        "FERROGRPC_WORLD_SIZE": str(RANKS),
+        "FERROGRPC_STEPS": str(steps),
+        "FERROGRPC_STEP_SLEEP": "0.05",
+    }
+    with compose_project(image, tmp_path, **variables) as project:
+        project.start()
+        _wait_healthy(project)
+
+        def records() -> list[Record]:
+            return [r for c in project.containers("rank") for r in _records(_logs(c))]
+
+        def training() -> list[str]:
+            ids = project.containers("rank")
+            ok = len(ids) == RANKS and all('"step": 5,' in _logs(c) for c in ids)
+            return ids if ok else []
+
+        ids: list[str] = project.wait_for(  # type: ignore[assignment]
+            "every replica past step 5", 150, training, interval=0.5
+        )
+        victim = ids[-1]
+        _run(["docker", "kill", victim])
+        killed_at = time.time()
+        project.wait_for(
+            "the other replicas training with 3",
+            60,
+            lambda: any(r.get("world_size") == RANKS - 1 for r in records()),
+        )
+        smaller = time.time() - killed_at
+        _run([*COMPOSE, "up", "-d", "--scale", f"rank={RANKS}"], env=project.env, timeout=120)
+        grown = project.wait_for(
+            "a replica joining the 3",
+            120,
+            lambda: [
+                r
+                for r in records()
+                if r.get("world_size") == RANKS and int(r.get("epoch", 0)) > 2  # type: ignore[call-overload]
+            ],
+        )
+        project.wait_for(
+            "the run to end",
+            240,
+            lambda: all(_state(c)["Status"] == "exited" for c in project.containers("rank")),
+            interval=0.5,
+        )
+        logs = {c: _logs(c) for c in project.containers("rank")}
+        states = {c: _state(c) for c in logs}
+
+    by_step: dict[int, set[tuple[object, object]]] = {}
+    worlds: dict[int, set[object]] = {}
+    for log in logs.values():
+        for r in _records(log):
+            if "step" in r:
+                by_step.setdefault(int(r["step"]), set()).add((r["loss"], r["checksum"]))  # type: ignore[call-overload]
+                worlds.setdefault(int(r["step"]), set()).add(r["world_size"])  # type: ignore[call-overload]
+    assert sorted(by_step) == list(range(steps)), sorted(by_step)
+    differing = {s: v for s, v in by_step.items() if len(v) != 1}
+    assert not differing, f"members differ at steps {sorted(differing)[:5]}"
+    assert {RANKS - 1, RANKS} <= {w for ws in worlds.values() for w in ws}
+    finished = [c for c, st in states.items() if st["ExitCode"] == 0]
+    assert len(finished) >= RANKS, {c: st["ExitCode"] for c, st in states.items()}
+    first_joined = min(int(r["step"]) for r in grown)  # type: ignore[call-overload]
+    report(
+        f"compose elastic: docker kill of a replica, the others trained with "
+        f"{RANKS - 1} within {smaller:.2f}s; the replica added by up -d --scale rank={RANKS} "
+        f"trained from step {first_joined}; {steps} steps, members identical at every step"
+    )

@@ -504,6 +504,8 @@ class Coordinator:
         """Whether a run was released and every rank of it has since left:
         said so, or sent no heartbeat for ``silent_s`` (it crashed or was
         killed). ``--exit-when-done`` ends the coordinator then."""
+        if self.membership.over:
+            return True  # an elastic group: every member of its epoch left
         released = self._released_at
         if released is None or not self._members:
             return False

@@ -135,6 +135,12 @@ class ElasticMembership:
         # The current epoch's syncs: who finished the n-th, and who waits.
         self._finished: dict[int, set[str]] = {}
         self._verdicts: dict[int, asyncio.Future[bool]] = {}
+        # Every member of the last epoch left (training ended).
+        self.over = False
+        # The epoch whose successor failed below quorum, its members, why.
+        self._quorum_lost: tuple[int, set[str], QuorumLostInRound] | None = None
+        # The latest (epoch, sync) granted without knowing every member.
+        self._optimistic: tuple[int, int] = (0, -1)
         # Members of the current epoch that closed their backend.
         self._left: set[str] = set()
 
@@ -183,6 +189,7 @@ class ElasticMembership:
         over = all(p is None or p in self._left for p in self.members)
         if self.members and self.round is None and self._first is None and over:
             logger.info("every member of epoch %d left: the group is over", self.epoch)
+            self.over = True
             self.epoch, self.members, self.entries = 0, [], {}
             self._left.clear()
             self._abort_syncs()
@@ -225,6 +232,10 @@ class ElasticMembership:
         answered = self._answers.get(peer)
         if answered is not None and answered.epoch > request.epoch:
             return answered  # a retry: that epoch is formed
+        if self._quorum_lost is not None:
+            failed, members, err = self._quorum_lost
+            if request.epoch == failed and peer in members:
+                raise err
         if self.epoch == 0 and self._first is None and not self.members:
             self._first = _Round(1, rpb.ENTER_JOIN, [], 0, [])
         if self._first is not None:
@@ -358,6 +369,8 @@ class ElasticMembership:
             return
         err = QuorumLostInRound(current.dropped, len(current.order), self.min_world_size)
         logger.warning("%s", err)
+        # The members of the failed epoch learn it when they enter next.
+        self._quorum_lost = (current.epoch - 1, set(p for p in self.members if p), err)
         current.done.set_exception(err)
         current.done.exception()
         if self.round is current:
@@ -377,6 +390,7 @@ class ElasticMembership:
         self._abort_syncs()
         order = current.order
         self._left.clear()
+        self.over = False
         self.epoch = current.epoch
         self.highest = max(self.highest, current.epoch)
         self.members = list(order)
@@ -418,6 +432,20 @@ class ElasticMembership:
         (being) replaced because members were lost."""
         peer, n = request.peer_id, int(request.n)
         self.seen[peer] = self.clock()
+        epoch = int(request.epoch)
+        restarted = epoch > self.highest  # no heartbeat of that epoch yet
+        adopting = (
+            epoch == self.epoch
+            and self._adopted_at is not None
+            and any(p is None for p in self.members)
+        )
+        if restarted or adopting or (epoch, n) <= self._optimistic:
+            # This coordinator restarted during that epoch and does not know
+            # every member yet: granted, as a member's client grants it
+            # while no coordinator answers; the n-th sync is then granted to
+            # every member, whenever it asks.
+            self._optimistic = max(self._optimistic, (epoch, n))
+            return True
         if request.epoch != self.epoch or peer not in self.members:
             return False
         if self.round is not None and self.round.reason == rpb.ENTER_RECOVER:

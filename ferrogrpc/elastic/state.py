@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -164,6 +165,9 @@ class ElasticState:
         self._backend: ElasticBackend = backend
         self._started = False
         self._rejoined = False
+        # The last state this process received: {"bytes", "seconds",
+        # "members"} (for benchmarks and logs); None until then.
+        self.last_transfer: dict[str, float] | None = None
         self._groups_json(optimizer.state_dict())  # JSON-able hyperparameters, or ConfigError
         backend.state = self
 
@@ -296,6 +300,7 @@ class ElasticState:
         1`` (the header from rank 0), check it against this process's model
         and optimizer, and load it. Returns the group's step index."""
         backend = self._backend
+        start = time.perf_counter()
         length = torch.zeros(1, dtype=torch.int64)
         backend.recv(length, 0, HEADER_TAG)
         body = torch.empty(int(length.item()), dtype=torch.uint8)
@@ -328,7 +333,11 @@ class ElasticState:
                     _bytes(targets[seg.tensor])[seg.lo : seg.hi].copy_(staged[offset : offset + n])
                     offset += n
         self._load(specs, targets, header)
-        logger.info("received %d state bytes from %d members", sum(sizes), joined_from)
+        seconds = time.perf_counter() - start
+        self.last_transfer = {"bytes": sum(sizes), "seconds": seconds, "members": joined_from}
+        logger.info(
+            "received %d state bytes from %d members in %.3fs", sum(sizes), joined_from, seconds
+        )
         return int(header["step"])
 
     def _targets(self, specs: list[tuple[str, torch.dtype, torch.Size]]) -> list[torch.Tensor]:

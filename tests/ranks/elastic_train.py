@@ -9,12 +9,17 @@ process saves its parameters and optimizer state to OUT_DIR.
 
 Environment:
   STEPS: the steps to run; WORLD: the full group size (while the group is
-  smaller, each step sleeps SLOW seconds, so that a joiner finds it running).
+  smaller, each step sleeps SLOW seconds, so that a joiner finds it running;
+  otherwise PACE seconds, default 0).
   KILL_STEP, KILL_RANK, KILL_AT: rank KILL_RANK SIGKILLs itself at step
   KILL_STEP, ``before`` its forward or ``backward``, halfway through
   backward with the first buckets in flight.
   STOP_STEP, STOP_RANK: that rank SIGSTOPs itself at that step, before its
   sync (the test sends SIGCONT).
+  KILL_FILE: rank KILL_RANK SIGKILLs itself before the forward of the
+  first step at which this file exists.
+  MIN_WORLD: min_world_size; below it, the program prints the
+  QuorumLostError and exits 3.
   OUT_DIR: where the final state goes.
 """
 
@@ -70,10 +75,62 @@ def main() -> None:
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
     state = fg.ElasticState(ddp, opt, extra={"tag": "elastic-test"})
     print(json.dumps({"event": "start", "pid": os.getpid(), "t": time.time()}), flush=True)
+    kill_file = os.environ.get("KILL_FILE", "")
+    try:
+        run(
+            backend,
+            ddp,
+            net,
+            opt,
+            state,
+            steps,
+            world,
+            slow,
+            kill_step,
+            kill_rank,
+            kill_at,
+            stop_step,
+            stop_rank,
+            kill_file,
+        )
+    except fg.QuorumLostError as exc:
+        print(
+            json.dumps({"event": "quorum", "lost": exc.lost, "error": str(exc), "t": time.time()}),
+            flush=True,
+        )
+        backend.close()
+        sys.exit(3)
+    torch.save(
+        {"params": [p.detach().clone() for p in net.parameters()], "step": state.step},
+        os.path.join(out_dir, f"final-{os.getpid()}.pt"),
+    )
+    print(json.dumps({"event": "done", "rank": backend.rank}), flush=True)
+    backend.close()
+
+
+def run(
+    backend,
+    ddp,
+    net,
+    opt,
+    state,
+    steps,
+    world,
+    slow,
+    kill_step,
+    kill_rank,
+    kill_at,
+    stop_step,
+    stop_rank,
+    kill_file,
+):  # type: ignore[no-untyped-def]
+    pace = float(os.environ.get("PACE", "0"))
     for step in state.steps(steps):
         x, y = data(step)
         rank, size = backend.rank, backend.world_size
         idx = list(range(rank, BATCH, size))
+        if kill_file and os.path.exists(kill_file) and rank == kill_rank and kill_step < 0:
+            kill_step = step
         if step == kill_step and rank == kill_rank:
             print(json.dumps({"event": "kill", "t": time.time()}), flush=True)
             if kill_at == "before":
@@ -107,12 +164,8 @@ def main() -> None:
         print(json.dumps(line), flush=True)
         if backend.world_size < world:
             time.sleep(slow)
-    torch.save(
-        {"params": [p.detach().clone() for p in net.parameters()], "step": state.step},
-        os.path.join(out_dir, f"final-{os.getpid()}.pt"),
-    )
-    print(json.dumps({"event": "done", "rank": backend.rank}), flush=True)
-    backend.close()
+        elif pace:
+            time.sleep(pace)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,304 @@
+"""``ferrogrpc bench --elastic``: what a lost rank and a joiner cost.
+
+For each state size (parameters plus Adam's two moments, in float32), it
+starts a coordinator and N members training an MLP of that size with DDP
+in an elastic group, then:
+
+- SIGKILLs one member mid-run: the time from the kill to the survivors'
+  next completed step, beside their step time before it;
+- starts a replacement: its time from start to its first completed
+  (contributing) step, and its state transfer (bytes, seconds, rate);
+- in the same run, a bare gRPC stream (grpc.aio, bytes messages, one
+  sender, one receiver, no framing or checks) of the same bytes between two
+  processes: the ceiling the transfer is compared with.
+
+    python -m client.bench --elastic --sizes 100M 400M --nproc 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from client.common import MiB, fmt_size, parse_size
+
+MESSAGE = 4 * MiB
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+# ------------------------------------------------------------ the worker
+
+
+def worker(args: argparse.Namespace) -> int:
+    import torch
+    from torch import nn
+
+    import ferrogrpc as fg
+
+    torch.set_num_threads(1)
+    t0 = time.time()
+    # Parameters + two Adam moments, float32: 12 bytes per parameter.
+    params = args.state_bytes // 12
+    width = 1024
+    layers = max(1, params // (width * width))
+    backend = fg.init_backend(elastic=True)
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    ddp = fg.DDP(net, backend)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-4)
+    state = fg.ElasticState(ddp, opt)
+    # Adam's moments exist from the first step on: members hold them.
+    for step in state.steps(10**9):
+        x = torch.randn(4, width, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        ddp(x).square().mean().backward()
+        ddp.sync_gradients()
+        opt.step()
+        record: dict[str, Any] = {
+            "step": step,
+            "t": time.time(),
+            "world": backend.world_size,
+            "rank": backend.rank,
+            "t0": t0,
+        }
+        transfer = state.last_transfer
+        if transfer is not None:
+            record["transfer"] = transfer
+            state.last_transfer = None
+        print(json.dumps(record), flush=True)
+    return 0
+
+
+# ------------------------------------------------- a bare gRPC stream
+
+
+async def _bare_receiver(port: int, total: int) -> None:
+    import grpc
+    import grpc.aio
+
+    done = asyncio.Event()
+
+    async def handler(requests: Any, context: Any) -> bytes:
+        async for _ in requests:
+            pass
+        done.set()
+        return b""
+
+    options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+    server = grpc.aio.server(options=options)
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "bare", {"S": grpc.stream_unary_rpc_method_handler(handler)}
+            ),
+        )
+    )
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    print("READY", flush=True)
+    await done.wait()
+    await server.stop(0)
+
+
+async def _bare_sender(port: int, total: int) -> float:
+    import grpc
+    import grpc.aio
+
+    options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options)
+    method = channel.stream_unary("/bare/S", request_serializer=bytes, response_deserializer=bytes)
+    call = method(wait_for_ready=True)  # type: ignore[call-arg]
+    message = os.urandom(MESSAGE)
+    start = time.perf_counter()
+    for _ in range(max(1, total // MESSAGE)):
+        await call.write(message)
+    await call.done_writing()
+    await call
+    elapsed = time.perf_counter() - start
+    await channel.close(None)
+    return max(1, total // MESSAGE) * MESSAGE / elapsed
+
+
+def bare_stream_rate(total: int) -> float:
+    """Bytes per second of one bare gRPC stream between two processes."""
+    port = _free_port()
+    receiver = subprocess.Popen(
+        [sys.executable, "-m", "client.bench_elastic", "--bare-receiver", str(port), str(total)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert receiver.stdout is not None
+        receiver.stdout.readline()
+        return asyncio.run(_bare_sender(port, total))
+    finally:
+        receiver.wait(timeout=60)
+
+
+# ------------------------------------------------------------ a run
+
+
+class Run:
+    def __init__(self, tmp: Path, nproc: int, state_bytes: int) -> None:
+        self.tmp = tmp
+        self.port = _free_port()
+        self.env = {
+            **os.environ,
+            "FERROGRPC_COORDINATOR": f"127.0.0.1:{self.port}",
+            "OMP_NUM_THREADS": "1",
+        }
+        self.cmd = [sys.executable, "-m", "client.bench_elastic", "--worker"]
+        self.cmd += ["--state-bytes", str(state_bytes)]
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.coordinator = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "server", "--world-size", str(nproc)),
+                *("--host", "127.0.0.1", "--port", str(self.port)),
+            ],
+            env=self.env,
+            stdout=open(tmp / "coordinator.log", "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+        )
+        for _ in range(nproc):
+            self.start()
+
+    def start(self) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            self.cmd,
+            env=self.env,
+            stdout=open(self.tmp / f"p{len(self.procs)}.log", "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def lines(self, n: int | None = None) -> list[dict[str, Any]]:
+        out = []
+        for i in range(len(self.procs)) if n is None else [n]:
+            for line in (self.tmp / f"p{i}.log").read_text(errors="replace").splitlines():
+                if line.startswith("{"):
+                    record = json.loads(line)
+                    record["proc"] = i
+                    out.append(record)
+        return out
+
+    def wait_for(self, check: Any, timeout: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = check()
+            if value:
+                return value
+            time.sleep(0.02)
+        tails = "\n".join(
+            (self.tmp / f"p{i}.log").read_text(errors="replace")[-1500:]
+            for i in range(len(self.procs))
+        )
+        raise RuntimeError(f"{what}: not within {timeout:g}s\n{tails}")
+
+    def close(self) -> None:
+        for p in [*self.procs, self.coordinator]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def measure(nproc: int, state_bytes: int, timeout: float) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="ferrogrpc-bench-elastic-") as tmp:
+        run = Run(Path(tmp), nproc, state_bytes)
+        try:
+            run.wait_for(
+                lambda: len([d for d in run.lines() if d["step"] >= 5]) >= nproc,
+                timeout,
+                "the group training",
+            )
+            before = [d for d in run.lines(0)]
+            step_time = (before[-1]["t"] - before[-4]["t"]) / 3
+            victim = run.procs[-1]
+            killed = time.time()
+            victim.send_signal(signal.SIGKILL)
+            last = max(d["step"] for d in before)
+            after = run.wait_for(
+                lambda: [d for d in run.lines(0) if d["step"] > last and d["world"] == nproc - 1],
+                timeout,
+                "the survivors' next step",
+            )
+            kill_to_step = after[0]["t"] - killed
+            joiner = run.start()
+            started = time.time()
+            n = len(run.procs) - 1
+            first = run.wait_for(
+                lambda: [d for d in run.lines(n) if "step" in d], timeout, "the joiner's step"
+            )[0]
+            transfer = first.get("transfer") or {}
+            del joiner
+        finally:
+            run.close()
+    return {
+        "step_s": step_time,
+        "kill_to_step_s": kill_to_step,
+        "join_to_step_s": first["t"] - started,
+        "transfer_bytes": float(transfer.get("bytes", 0)),
+        "transfer_s": float(transfer.get("seconds", 0.0)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--bare-receiver"]:
+        asyncio.run(_bare_receiver(int(argv[1]), int(argv[2])))
+        return 0
+    parser = argparse.ArgumentParser(
+        prog="ferrogrpc bench --elastic",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--sizes", type=parse_size, nargs="+", default=[100 * 10**6, 400 * 10**6])
+    parser.add_argument("--nproc", type=int, default=3, help="members before the kill")
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--state-bytes", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    print(
+        f"elastic group of {args.nproc} on this machine: SIGKILL one member, then a "
+        "replacement joins; a bare gRPC stream of the same bytes, same run"
+    )
+    header = (
+        f"{'state':>8} {'step s':>7} {'kill->step s':>12} {'join->step s':>12} "
+        f"{'transfer MB':>11} {'s':>6} {'MB/s':>7} {'bare MB/s':>9} {'ratio':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    for size in args.sizes:
+        m = measure(args.nproc, size, args.timeout)
+        bare = bare_stream_rate(int(m["transfer_bytes"]) or size)
+        rate = m["transfer_bytes"] / m["transfer_s"] if m["transfer_s"] else 0.0
+        print(
+            f"{fmt_size(size):>8} {m['step_s']:7.3f} {m['kill_to_step_s']:12.3f} "
+            f"{m['join_to_step_s']:12.3f} {m['transfer_bytes'] / 1e6:11.1f} "
+            f"{m['transfer_s']:6.3f} {rate / 1e6:7.1f} {bare / 1e6:9.1f} "
+            f"{rate / bare if bare else 0:6.2f}",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

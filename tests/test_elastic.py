@@ -1,0 +1,453 @@
+"""Elastic training (issue 30): the coordinator's membership on its own
+(a fake clock), then real processes: a rank killed before its forward or
+halfway through backward, a joiner, a stall, a lost quorum and a restarted
+coordinator. The reference is single-process training on the slices that
+actually contributed to each step (``tests/ranks/elastic_train.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import ferrogrpc as fg
+from ferrogrpc.control.membership import ElasticMembership, QuorumLostInRound
+from ferrogrpc.elastic.state import _messages, _stripes
+from ferrogrpc.v1 import rendezvous_pb2 as rpb
+
+from .helpers import RANKS, ROOT, free_port
+
+sys.path.insert(0, str(RANKS))
+import elastic_train
+
+HEARTBEAT_S = 2.0
+
+# ------------------------------------------------ the membership, on its own
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _enter(m: ElasticMembership, peer: str, reason: int, epoch: int, lost: list[int] = []) -> Any:  # noqa: B006
+    request = rpb.EnterRequest(
+        peer_id=peer, address=f"{peer}:1", nonce="n" * 16, epoch=epoch, reason=reason, lost=lost
+    )
+    return asyncio.ensure_future(m.enter(request))
+
+
+async def _first(m: ElasticMembership, peers: list[str]) -> list[Any]:
+    entered = [_enter(m, p, rpb.ENTER_JOIN, 0) for p in peers]
+    return list(await asyncio.gather(*entered))
+
+
+@pytest.mark.timeout(30)
+async def test_membership_recover_drops_the_lost_and_renumbers_in_the_old_order() -> None:
+    m = ElasticMembership(heartbeat_timeout=2.0, join_window=0.1, initial_world_size=4)
+    first = await _first(m, ["a", "b", "c", "d"])
+    assert [(r.epoch, r.rank, r.world_size, r.joined_from) for r in first] == [
+        (1, i, 4, 4) for i in range(4)
+    ]
+    # A sync committed by three of four, then rank 1 is reported lost:
+    # the pending commits are refused (the sync is redone), never granted.
+    commits = [
+        asyncio.ensure_future(m.commit(rpb.CommitRequest(peer_id=p, epoch=1, n=0)))
+        for p in ("a", "c", "d")
+    ]
+    await asyncio.sleep(0)
+    assert not any(c.done() for c in commits)
+    survivors = [_enter(m, p, rpb.ENTER_RECOVER, 1, [1]) for p in ("d", "a", "c")]
+    answers = await asyncio.gather(*survivors)
+    assert [await c for c in commits] == [False, False, False]
+    assert [(r.epoch, r.world_size, r.rank) for r in answers] == [(2, 3, 2), (2, 3, 0), (2, 3, 1)]
+    assert list(answers[0].addresses) == ["a:1", "c:1", "d:1"]
+    # Every member's commit of a sync: granted.
+    grant = [
+        asyncio.ensure_future(m.commit(rpb.CommitRequest(peer_id=p, epoch=2, n=0)))
+        for p in ("a", "c", "d")
+    ]
+    assert await asyncio.gather(*grant) == [True, True, True]
+
+
+@pytest.mark.timeout(30)
+async def test_membership_admits_joiners_only_at_a_grow_and_fails_below_quorum() -> None:
+    clock = Clock()
+    m = ElasticMembership(heartbeat_timeout=2.0, join_window=0.1, min_world_size=2, clock=clock)
+    m.initial_world_size = 2
+    await _first(m, ["a", "b"])
+    joiner = _enter(m, "j", rpb.ENTER_JOIN, 0)
+    await asyncio.sleep(0.01)
+    assert not joiner.done()
+    beat = m.heartbeat(rpb.HeartbeatRequest(peer_id="a", epoch=1, rank=0, address="a:1"))
+    assert beat.joiners_waiting == 1 and beat.member
+    grow = [_enter(m, p, rpb.ENTER_GROW, 1) for p in ("a", "b")]
+    answers = await asyncio.gather(joiner, *grow)
+    assert [(r.epoch, r.rank, r.world_size, r.joined_from) for r in answers] == [
+        (2, 2, 3, 2),
+        (2, 0, 3, 2),
+        (2, 1, 3, 2),
+    ]
+    # b and j go silent: the coordinator removes them, and one member
+    # is below min_world_size 2: quorum lost, naming both.
+    clock.now += 1.0
+    m.heartbeat(rpb.HeartbeatRequest(peer_id="a", epoch=2, rank=0, address="a:1"))
+    clock.now += 1.5
+    m.check_silence()
+    assert m.round is None and m.epoch == 0  # the group is over
+    # a learns it when it enters next, whatever it reports.
+    with pytest.raises(QuorumLostInRound) as caught:
+        await _enter(m, "a", rpb.ENTER_RECOVER, 2, [1])
+    assert caught.value.lost == [1, 2]
+
+
+@pytest.mark.timeout(30)
+async def test_a_restarted_coordinator_adopts_the_epoch_and_a_stale_one_is_not() -> None:
+    m = ElasticMembership(heartbeat_timeout=2.0, join_window=0.1)
+    for rank, peer in enumerate(("a", "b", "c")):
+        beat = m.heartbeat(
+            rpb.HeartbeatRequest(
+                peer_id=peer, epoch=7, rank=rank, world_size=3, address=f"{peer}:1"
+            )
+        )
+        assert beat.member and beat.epoch == 7
+    assert m.members == ["a", "b", "c"]
+    answers = await asyncio.gather(*(_enter(m, p, rpb.ENTER_RECOVER, 7, [1]) for p in ("a", "c")))
+    assert [(r.epoch, r.rank, r.world_size) for r in answers] == [(8, 0, 2), (8, 1, 2)]
+    # Both leave: the group is over; b, woken late with epoch 7, is not
+    # taken for a group to adopt.
+    for p in ("a", "c"):
+        m.heartbeat(rpb.HeartbeatRequest(peer_id=p, epoch=8, leaving=True))
+    assert m.epoch == 0
+    late = m.heartbeat(rpb.HeartbeatRequest(peer_id="b", epoch=7, rank=1, address="b:1"))
+    assert not late.member and m.epoch == 0
+
+
+def test_the_stripes_cover_every_byte_once() -> None:
+    sizes = [3, 5 * 2**20, 0, 17, 40 * 2**20, 1, 2**20]
+    total = sum(sizes)
+    for members in (1, 2, 3, 5):
+        seen = [0] * len(sizes)
+        last = 0
+        for lo, hi in _stripes(total, members):
+            assert lo == last
+            last = hi
+            for message in _messages(sizes, lo, hi):
+                assert sum(s.hi - s.lo for s in message) <= 32 * 2**20
+                for seg in message:
+                    seen[seg.tensor] += seg.hi - seg.lo
+        assert last == total and seen == sizes
+
+
+# ------------------------------------------------------- refusals, at once
+
+
+def test_elastic_needs_a_coordinator_and_fsdp_refuses_elastic_groups() -> None:
+    with pytest.raises(fg.ConfigError, match="coordinator"):
+        fg.init_backend(elastic=True)
+
+    class Elastic:
+        elastic = True
+        rank = 0
+        world_size = 2
+
+    with pytest.raises(fg.ConfigError, match="FSDP does not support elastic"):
+        fg.FSDP(nn.Linear(2, 2), Elastic())  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_the_torch_backend_refuses_an_elastic_group() -> None:
+    port = free_port()
+    code = (
+        "import os, torch.distributed as dist, ferrogrpc\n"
+        "try:\n"
+        "    dist.init_process_group('ferrogrpc', rank=0, world_size=1, "
+        f"init_method='tcp://127.0.0.1:{port}')\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__, e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "FERROGRPC_ELASTIC": "1", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert "ConfigError" in out.stdout and "elastic" in out.stdout, out.stdout + out.stderr
+
+
+# ------------------------------------------------------ real processes
+
+
+class Run:
+    """A coordinator and elastic_train.py processes; their JSON lines."""
+
+    def __init__(self, tmp: Path, world: int, **env: str) -> None:
+        self.tmp = tmp
+        self.world = world
+        self.port = free_port()
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "FERROGRPC_COORDINATOR": f"127.0.0.1:{self.port}",
+            "FERROGRPC_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S),
+            "OUT_DIR": str(tmp),
+            "WORLD": str(world),
+            **env,
+        }
+        self.coordinator: subprocess.Popen[bytes] | None = None
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.start_coordinator()
+        for _ in range(world):
+            self.start_rank()
+
+    def start_coordinator(self) -> None:
+        n = len(glob.glob(str(self.tmp / "coordinator*.log")))
+        self.coordinator = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "server", "--world-size", str(self.world)),
+                *("--host", "127.0.0.1", "--port", str(self.port)),
+            ],
+            cwd=ROOT,
+            env=self.env,
+            stdout=open(self.tmp / f"coordinator{n}.log", "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+        )
+
+    def start_rank(self) -> subprocess.Popen[bytes]:
+        n = len(self.procs)
+        proc = subprocess.Popen(
+            [sys.executable, str(RANKS / "elastic_train.py")],
+            env=self.env,
+            stdout=open(self.tmp / f"p{n}.log", "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def lines(self, n: int | None = None) -> list[dict[str, Any]]:
+        files = [self.tmp / f"p{n}.log"] if n is not None else sorted(self.tmp.glob("p*.log"))
+        out = []
+        for f in files:
+            for line in f.read_text(errors="replace").splitlines():
+                if line.startswith("{"):
+                    d = json.loads(line)
+                    d["proc"] = int(f.stem[1:])
+                    out.append(d)
+        return out
+
+    def output(self) -> str:
+        return "\n".join(
+            f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}"
+            for f in sorted(self.tmp.glob("*.log"))
+        )
+
+    def wait_for(self, what: Callable[[], Any], timeout: float, why: str) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = what()
+            if got:
+                return got
+            time.sleep(0.05)
+        raise AssertionError(f"{why} within {timeout}s\n{self.output()}")
+
+    def finish(self, timeout: float) -> list[int | None]:
+        deadline = time.monotonic() + timeout
+        try:
+            for p in self.procs:
+                try:
+                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(f"a rank did not finish\n{self.output()}") from None
+        finally:
+            self.close()
+        return [p.returncode for p in self.procs]
+
+    def close(self) -> None:
+        for p in [*self.procs, self.coordinator]:
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def check_training(run: Run, steps: int) -> dict[int, list[dict[str, Any]]]:
+    """Every step kept once, its contributors agreeing on the world size,
+    and every final model bitwise equal and within 1e-6 of single-process
+    training on the slices that contributed."""
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for d in run.lines():
+        if "step" in d and "idx" in d:
+            by_step.setdefault(d["step"], []).append(d)
+    assert sorted(by_step) == list(range(steps)), (sorted(by_step), run.output())
+    net = elastic_train.model()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    for step in range(steps):
+        lines = by_step[step]
+        worlds = {d["world"] for d in lines}
+        assert worlds == {len(lines)}, (step, lines)
+        assert len({json.dumps(d["idx"]) for d in lines}) == len(lines), (step, lines)
+        x, y = elastic_train.data(step)
+        opt.zero_grad()
+        loss = sum(nn.functional.mse_loss(net(x[d["idx"]]), y[d["idx"]]) for d in lines)
+        (loss / len(lines)).backward()  # type: ignore[operator]
+        opt.step()
+    finals = [torch.load(f) for f in sorted(run.tmp.glob("final-*.pt"))]
+    assert finals, run.output()
+    for final in finals:
+        assert final["step"] == steps
+        for mine, first in zip(final["params"], finals[0]["params"], strict=True):
+            assert torch.equal(mine, first)
+        for mine, ref in zip(final["params"], net.parameters(), strict=True):
+            torch.testing.assert_close(mine, ref.detach(), atol=1e-6, rtol=0)
+    return by_step
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("at", ["before", "backward"])
+def test_a_killed_rank_loses_no_step_and_a_joiner_gets_live_state(
+    tmp_path: Path, at: str, report: Callable[[str], None]
+) -> None:
+    steps = 30
+    run = Run(tmp_path, 4, STEPS=str(steps), KILL_STEP="4", KILL_RANK="1", KILL_AT=at, SLOW="0.2")
+    try:
+        killed = run.wait_for(
+            lambda: [d for d in run.lines() if d.get("event") == "kill"], 60, "no kill"
+        )[0]
+        run.wait_for(lambda: any(p.poll() == -signal.SIGKILL for p in run.procs), 10, "no death")
+        joiner = run.start_rank()
+        codes = run.finish(90)
+    finally:
+        run.close()
+    assert codes.count(-signal.SIGKILL) == 1 and codes.count(0) == 4, (codes, run.output())
+    by_step = check_training(run, steps)
+    # The kill step: the three survivors' slices of the four, no more.
+    assert len(by_step[4]) == 3 and all(d["world"] == 3 for d in by_step[4])
+    assert killed["proc"] not in {d["proc"] for d in by_step[4]}
+    done = max(d["t"] for d in by_step[4])
+    step_time = max(d["t"] for d in by_step[3]) - max(d["t"] for d in by_step[2])
+    report(
+        f"elastic, SIGKILL {'before the forward' if at == 'before' else 'mid-backward'}: "
+        "survivors finished that step "
+        f"{done - killed['t']:.2f}s after the death (step time {step_time:.2f}s)"
+    )
+    assert done - killed["t"] <= step_time + 1.0, (done - killed["t"], step_time)
+    # The joiner's first step is the group's current one, and it ran to the end.
+    mine = [d for d in run.lines(len(run.procs) - 1) if "idx" in d]
+    assert mine and mine[-1]["step"] == steps - 1 and joiner.returncode == 0
+    assert all(d["world"] == 4 for d in mine) and mine[0]["extra"] == {"tag": "elastic-test"}
+
+
+@pytest.mark.timeout(120)
+def test_a_stalled_rank_is_removed_and_rejoins_with_live_state(
+    tmp_path: Path, report: Callable[[str], None]
+) -> None:
+    steps = 30
+    run = Run(tmp_path, 4, STEPS=str(steps), STOP_STEP="3", STOP_RANK="2", SLOW="0.25")
+    try:
+        stopping = run.wait_for(
+            lambda: [d for d in run.lines() if d.get("event") == "stopping"], 60, "no stall"
+        )[0]
+        stalled = run.procs[stopping["proc"]]
+        run.wait_for(lambda: stalled.poll() is None and _stopped(stalled.pid), 10, "not stopped")
+        t_stop = time.time()
+        smaller = run.wait_for(
+            lambda: [d for d in run.lines() if d.get("world") == 3],
+            HEARTBEAT_S + 10,
+            "the group never went on without the stalled rank",
+        )
+        removed_after = min(d["t"] for d in smaller) - t_stop
+        os.kill(stalled.pid, signal.SIGCONT)
+        codes = run.finish(90)
+    finally:
+        run.close()
+    assert codes == [0, 0, 0, 0], (codes, run.output())
+    report(
+        f"elastic, SIGSTOP: the survivors' first step without the stalled rank "
+        f"{removed_after:.2f}s after it stopped (heartbeat timeout {HEARTBEAT_S:g}s)"
+    )
+    assert removed_after <= HEARTBEAT_S + 1.0 + 0.5, removed_after
+    check_training(run, steps)
+    back = [d for d in run.lines(stopping["proc"]) if "idx" in d]
+    assert back and back[-1]["step"] == steps - 1  # it came back and finished
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.timeout(90)
+def test_below_min_world_size_every_survivor_raises_quorum_lost_naming_the_lost(
+    tmp_path: Path, report: Callable[[str], None]
+) -> None:
+    run = Run(tmp_path, 3, STEPS="200", KILL_STEP="3", KILL_RANK="1", MIN_WORLD="3")
+    try:
+        killed = run.wait_for(
+            lambda: [d for d in run.lines() if d.get("event") == "kill"], 60, "no kill"
+        )[0]
+        codes = run.finish(30)
+    finally:
+        run.close()
+    assert sorted(codes, key=str) == sorted([3, 3, -signal.SIGKILL], key=str), run.output()
+    lost = [d for d in run.lines() if d.get("event") == "quorum"]
+    assert len(lost) == 2, run.output()
+    for d in lost:
+        assert d["lost"] == [1] and "[1]" in d["error"], d
+    after = max(d["t"] for d in lost) - killed["t"]
+    report(f"elastic, quorum lost (min_world_size 3 of 3): raised {after:.2f}s after the death")
+    assert after <= 10.0
+
+
+@pytest.mark.timeout(120)
+def test_training_goes_on_without_the_coordinator_and_a_restarted_one_rebuilds_the_group(
+    tmp_path: Path,
+) -> None:
+    steps = 100
+    kill_file = tmp_path / "kill-now"
+    run = Run(
+        tmp_path,
+        3,
+        STEPS=str(steps),
+        KILL_FILE=str(kill_file),
+        KILL_RANK="2",
+        SLOW="0.1",
+        PACE="0.1",
+    )
+    try:
+        run.wait_for(lambda: len(run.lines()) > 3 * 5, 60, "no training")
+        assert run.coordinator is not None
+        run.coordinator.kill()
+        run.coordinator.wait()
+        before = len([d for d in run.lines() if "idx" in d])
+        time.sleep(1.5)
+        during = len([d for d in run.lines() if "idx" in d])
+        assert during > before, "training stopped with the coordinator"
+        run.start_coordinator()
+        # The new coordinator learns the epoch from heartbeats; then a rank
+        # dies, and the survivors re-form through it.
+        time.sleep(HEARTBEAT_S)
+        kill_file.touch()
+        codes = run.finish(90)
+    finally:
+        run.close()
+    assert sorted(codes) == sorted([0, 0, -signal.SIGKILL]), (codes, run.output())
+    by_step = check_training(run, steps)
+    assert by_step[steps - 1][0]["world"] == 2
+    assert "adopting epoch" in (tmp_path / "coordinator1.log").read_text()
