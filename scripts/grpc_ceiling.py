@@ -81,6 +81,9 @@ def main() -> int:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--mib", type=int, default=200, help="MiB each rank sends")
     parser.add_argument("--chunk-kib", type=int, default=1024)
+    parser.add_argument(
+        "--start-delay", type=float, default=8.0, help="seconds for the ranks to start"
+    )
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--base", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--start-at", type=float, help=argparse.SUPPRESS)
@@ -96,7 +99,8 @@ def main() -> int:
     import random
 
     base = random.randint(20000, 40000)
-    start_at = time.time() + 8.0  # time enough for every rank to import and listen
+    # Time enough for every rank to import and listen.
+    start_at = time.time() + args.start_delay
     procs = [
         subprocess.Popen(
             [

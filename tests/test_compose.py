@@ -509,7 +509,7 @@ def test_elastic_compose_survives_a_docker_kill_and_a_scaled_up_replica_joins(
     # mid-run, the other three go on; up -d --scale rank=4 again, and the new
     # replica joins. Every step, every member logs the same loss and
     # parameter checksum.
-    steps = 400
+    steps = 100
     variables = {
         "FERROGRPC_ELASTIC": "1",
         "FERROGRPC_WORLD_SIZE": str(RANKS),

@@ -170,25 +170,17 @@ def test_elastic_needs_a_coordinator_and_fsdp_refuses_elastic_groups() -> None:
         fg.FSDP(nn.Linear(2, 2), Elastic())  # type: ignore[arg-type]
 
 
-@pytest.mark.timeout(60)
-def test_the_torch_backend_refuses_an_elastic_group() -> None:
-    port = free_port()
-    code = (
-        "import os, torch.distributed as dist, ferrogrpc\n"
-        "try:\n"
-        "    dist.init_process_group('ferrogrpc', rank=0, world_size=1, "
-        f"init_method='tcp://127.0.0.1:{port}')\n"
-        "except Exception as e:\n"
-        "    print(type(e).__name__, e)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**os.environ, "FERROGRPC_ELASTIC": "1", "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=50,
-    )
-    assert "ConfigError" in out.stdout and "elastic" in out.stdout, out.stdout + out.stderr
+def test_the_torch_backend_refuses_an_elastic_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch calls this hook from init_process_group("ferrogrpc"); with
+    # FERROGRPC_ELASTIC set it refuses before it touches the store.
+    from types import SimpleNamespace
+
+    from ferrogrpc.wrappers.process_group import create
+
+    monkeypatch.setenv("FERROGRPC_ELASTIC", "1")
+    opts = SimpleNamespace(store=None, group_rank=0, group_size=2)
+    with pytest.raises(fg.ConfigError, match="does not support elastic groups"):
+        create(opts, None)
 
 
 # ------------------------------------------------------ real processes
@@ -319,39 +311,70 @@ def check_training(run: Run, steps: int) -> dict[int, list[dict[str, Any]]]:
     return by_step
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("at", ["before", "backward"])
-def test_a_killed_rank_loses_no_step_and_a_joiner_gets_live_state(
-    tmp_path: Path, at: str, report: Callable[[str], None]
+@pytest.mark.timeout(150)
+def test_killed_ranks_lose_no_step_and_joiners_get_live_state(
+    tmp_path: Path, report: Callable[[str], None]
 ) -> None:
-    steps = 30
-    run = Run(tmp_path, 4, STEPS=str(steps), KILL_STEP="4", KILL_RANK="1", KILL_AT=at, SLOW="0.2")
+    # Rank 1 killed before its forward at step 4; a replacement joins; then
+    # rank 2 killed halfway through backward, buckets in flight; another
+    # replacement joins.
+    steps = 60
+    kill_file = tmp_path / "kill-again"
+    run = Run(
+        tmp_path,
+        4,
+        STEPS=str(steps),
+        KILL_STEP="4",
+        KILL_RANK="1",
+        KILL_AT="before",
+        KILL_FILE=str(kill_file),
+        FILE_KILL_RANK="2",
+        FILE_KILL_AT="backward",
+        SLOW="0.2",
+    )
+    kills: list[dict[str, Any]] = []
+    joiners: list[int] = []
     try:
-        killed = run.wait_for(
-            lambda: [d for d in run.lines() if d.get("event") == "kill"], 60, "no kill"
-        )[0]
-        run.wait_for(lambda: any(p.poll() == -signal.SIGKILL for p in run.procs), 10, "no death")
-        joiner = run.start_rank()
+        for round_ in range(2):
+
+            def killed(n: int = round_) -> list[dict[str, Any]]:
+                return [d for d in run.lines() if d.get("event") == "kill"][n:]
+
+            kills.append(run.wait_for(killed, 60, f"no kill {round_ + 1}")[0])
+            run.wait_for(
+                lambda n=round_: sum(p.poll() == -signal.SIGKILL for p in run.procs) > n,
+                10,
+                "no death",
+            )
+            run.start_rank()
+            joiners.append(len(run.procs) - 1)
+            if round_ == 0:
+                run.wait_for(
+                    lambda: [d for d in run.lines(joiners[0]) if "idx" in d], 60, "no join"
+                )
+                kill_file.touch()
         codes = run.finish(90)
     finally:
         run.close()
-    assert codes.count(-signal.SIGKILL) == 1 and codes.count(0) == 4, (codes, run.output())
+    assert codes.count(-signal.SIGKILL) == 2 and codes.count(0) == 4, (codes, run.output())
     by_step = check_training(run, steps)
-    # The kill step: the three survivors' slices of the four, no more.
-    assert len(by_step[4]) == 3 and all(d["world"] == 3 for d in by_step[4])
-    assert killed["proc"] not in {d["proc"] for d in by_step[4]}
-    done = max(d["t"] for d in by_step[4])
-    step_time = max(d["t"] for d in by_step[3]) - max(d["t"] for d in by_step[2])
-    report(
-        f"elastic, SIGKILL {'before the forward' if at == 'before' else 'mid-backward'}: "
-        "survivors finished that step "
-        f"{done - killed['t']:.2f}s after the death (step time {step_time:.2f}s)"
-    )
-    assert done - killed["t"] <= step_time + 1.0, (done - killed["t"], step_time)
-    # The joiner's first step is the group's current one, and it ran to the end.
-    mine = [d for d in run.lines(len(run.procs) - 1) if "idx" in d]
-    assert mine and mine[-1]["step"] == steps - 1 and joiner.returncode == 0
-    assert all(d["world"] == 4 for d in mine) and mine[0]["extra"] == {"tag": "elastic-test"}
+    for kill, what in zip(kills, ("before the forward", "mid-backward"), strict=True):
+        # The kill step: the three survivors' slices of the four, no more.
+        step = max(d["step"] for d in run.lines(kill["proc"]) if "idx" in d) + 1
+        assert len(by_step[step]) == 3 and all(d["world"] == 3 for d in by_step[step])
+        assert kill["proc"] not in {d["proc"] for d in by_step[step]}
+        done = max(d["t"] for d in by_step[step])
+        step_time = max(d["t"] for d in by_step[step - 1]) - max(d["t"] for d in by_step[step - 2])
+        report(
+            f"elastic, SIGKILL {what}: survivors finished that step "
+            f"{done - kill['t']:.2f}s after the death (step time {step_time:.2f}s)"
+        )
+        assert done - kill["t"] <= step_time + 1.0, (done - kill["t"], step_time)
+    for joiner in joiners:
+        # A joiner's first step is the group's current one; it ran to the end.
+        mine = [d for d in run.lines(joiner) if "idx" in d]
+        assert mine and mine[-1]["step"] == steps - 1, run.output()
+        assert mine[0]["world"] == 4 and mine[0]["extra"] == {"tag": "elastic-test"}
 
 
 @pytest.mark.timeout(120)
@@ -419,7 +442,7 @@ def test_below_min_world_size_every_survivor_raises_quorum_lost_naming_the_lost(
 def test_training_goes_on_without_the_coordinator_and_a_restarted_one_rebuilds_the_group(
     tmp_path: Path,
 ) -> None:
-    steps = 100
+    steps = 150
     kill_file = tmp_path / "kill-now"
     run = Run(
         tmp_path,
@@ -427,8 +450,8 @@ def test_training_goes_on_without_the_coordinator_and_a_restarted_one_rebuilds_t
         STEPS=str(steps),
         KILL_FILE=str(kill_file),
         KILL_RANK="2",
-        SLOW="0.1",
-        PACE="0.1",
+        SLOW="0.05",
+        PACE="0.05",
     )
     try:
         run.wait_for(lambda: len(run.lines()) > 3 * 5, 60, "no training")
@@ -436,13 +459,17 @@ def test_training_goes_on_without_the_coordinator_and_a_restarted_one_rebuilds_t
         run.coordinator.kill()
         run.coordinator.wait()
         before = len([d for d in run.lines() if "idx" in d])
-        time.sleep(1.5)
+        time.sleep(1.0)
         during = len([d for d in run.lines() if "idx" in d])
         assert during > before, "training stopped with the coordinator"
         run.start_coordinator()
         # The new coordinator learns the epoch from heartbeats; then a rank
         # dies, and the survivors re-form through it.
-        time.sleep(HEARTBEAT_S)
+        run.wait_for(
+            lambda: "adopting epoch" in (tmp_path / "coordinator1.log").read_text(),
+            30,
+            "the restarted coordinator never adopted the epoch",
+        )
         kill_file.touch()
         codes = run.finish(90)
     finally:
@@ -450,4 +477,3 @@ def test_training_goes_on_without_the_coordinator_and_a_restarted_one_rebuilds_t
     assert sorted(codes) == sorted([0, 0, -signal.SIGKILL]), (codes, run.output())
     by_step = check_training(run, steps)
     assert by_step[steps - 1][0]["world"] == 2
-    assert "adopting epoch" in (tmp_path / "coordinator1.log").read_text()

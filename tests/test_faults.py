@@ -119,7 +119,9 @@ def test_sigkilled_peer_is_named_on_every_rank_within_5s(
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("path", sorted(PATHS))
+# The same-host path here; a SIGSTOPped rank over gRPC is named in
+# test_direct.py (test_a_stopped_rank_is_named_as_stuck[grpc]).
+@pytest.mark.parametrize("path", ["shm"])
 def test_sigstopped_peer_times_out_naming_it(
     path: str, tmp_path: Path, report: Callable[[str], None]
 ) -> None:
@@ -385,7 +387,7 @@ def test_init_close_cycles_leak_no_threads_or_fds(report: Callable[[str], None])
         raise AssertionError(f"{exc}; still running: {others()}") from None
     threads, fds = counts()
     names, pool = os_thread_names(), runtime()
-    for shm in (False, True, False, True):
+    for shm in (False, True):
         cycle(False, shm)
         cycle(True, shm)
 
@@ -408,7 +410,7 @@ def test_init_close_cycles_leak_no_threads_or_fds(report: Callable[[str], None])
         raise AssertionError(f"{exc}; threads by name {names} -> {os_thread_names()}") from None
     finally:
         report(
-            f"8 init/close cycles (4 with a failure): OS threads {threads} -> {before_gc[0]} "
+            f"4 init/close cycles (2 with a failure): OS threads {threads} -> {before_gc[0]} "
             f"before a garbage collection, {counts()[0]} after (gRPC's runtime apart: "
             f"{pool} -> {runtime()}); fds {fds} -> {before_gc[1]}, {counts()[1]}"
         )

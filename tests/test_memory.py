@@ -19,7 +19,7 @@ BAR = 128 * MiB
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("path", ["grpc", "shared memory"])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [4])  # (world 2 is the easier case)
 def test_extra_peak_rss_of_a_256_mib_all_reduce_in_a_fresh_process(
     world: int, path: str, report: Callable[[str], None]
 ) -> None:

@@ -1,10 +1,10 @@
-"""Real processes: env:// rendezvous with plain variables, and under torchrun."""
+"""Real processes: env:// rendezvous with plain variables."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helpers import RANKS, run_ranks, run_torchrun
+from tests.helpers import run_ranks
 
 
 @pytest.mark.timeout(150)
@@ -14,9 +14,5 @@ def test_four_processes_with_plain_environment_variables() -> None:
         assert f"OK rank {rank}/4" in out, out
 
 
-@pytest.mark.timeout(150)
-def test_torchrun_two_ranks_init_backend_without_arguments() -> None:
-    proc = run_torchrun(2, str(RANKS / "collectives.py"), timeout=140)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    assert "OK rank 0/2" in out and "OK rank 1/2" in out, out
+# init_backend() without arguments under torchrun: client.train does exactly
+# that in test_launch.py's test_client_train_under_torchrun.

@@ -17,8 +17,12 @@ RUNS: dict[str, tuple[list[str], str]] = {
         ["--world", "2", "--chunks-mib", "1", "2", "--sizes-mib", "1", "--iters", "1"],
         "MiB",
     ),
+    "elastic_soak.py": (["--nproc", "2", "--burners", "0", "--seconds", "5"], "OK: nobody removed"),
     "gen_proto.py": (["--check"], ""),
-    "grpc_ceiling.py": (["--world-size", "2", "--mib", "2", "--chunk-kib", "256"], "GB/s"),
+    "grpc_ceiling.py": (
+        ["--world-size", "2", "--mib", "2", "--chunk-kib", "256", "--start-delay", "3"],
+        "GB/s",
+    ),
     "grpc_latency_floor.py": (["--mode", "aio", "--exchanges", "20"], "us"),
     "loopback_ceiling.py": (["--mib", "4", "--iters", "1"], "GB/s"),
     "mem_ceiling.py": (["--mib", "4", "--iters", "2"], "GB/s"),

@@ -245,8 +245,10 @@ class ElasticMembership:
         if not member or request.reason == rpb.ENTER_JOIN:
             return await self._enter_as_joiner(entry)
         assert rank is not None
-        current = self.round
         lost = [r for r in request.lost if 0 <= r < len(self.members)]
+        if self.round is None:
+            await self._settle_adoption(lost)
+        current = self.round
         if current is None:
             current = self._open_round(int(request.reason), lost)
         elif lost:
@@ -260,6 +262,19 @@ class ElasticMembership:
         result = await asyncio.shield(current.done)
         assert result is not None
         return self._answer(result, peer)
+
+    async def _settle_adoption(self, lost: Sequence[int]) -> None:
+        """A restarted coordinator learns an adopted epoch's members from
+        their heartbeats: before the next epoch opens, wait until every
+        member not reported lost has been heard from (a slot still unknown
+        after the heartbeat timeout is a member that is gone)."""
+        while (
+            self._adopted_at is not None
+            and self.round is None
+            and self.clock() - self._adopted_at <= self.heartbeat_timeout
+            and any(p is None and r not in lost for r, p in enumerate(self.members))
+        ):
+            await asyncio.sleep(0.05)
 
     async def _enter_first(self, entry: Entry) -> rpb.EnterResponse:
         first = self._first

@@ -16,8 +16,9 @@ Environment:
   backward with the first buckets in flight.
   STOP_STEP, STOP_RANK: that rank SIGSTOPs itself at that step, before its
   sync (the test sends SIGCONT).
-  KILL_FILE: rank KILL_RANK SIGKILLs itself before the forward of the
-  first step at which this file exists.
+  KILL_FILE: rank FILE_KILL_RANK (default KILL_RANK) SIGKILLs itself, at
+  FILE_KILL_AT (default before), in the first step at which this file
+  exists; it removes the file first, so only one process does.
   MIN_WORLD: min_world_size; below it, the program prints the
   QuorumLostError and exits 3.
   OUT_DIR: where the final state goes.
@@ -108,6 +109,15 @@ def main() -> None:
     backend.close()
 
 
+def _take(path: str) -> bool:
+    """Whether this process removed ``path`` (exactly one can)."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def run(
     backend,
     ddp,
@@ -125,12 +135,17 @@ def run(
     kill_file,
 ):  # type: ignore[no-untyped-def]
     pace = float(os.environ.get("PACE", "0"))
+    file_rank = int(os.environ.get("FILE_KILL_RANK", str(kill_rank)))
+    file_at = os.environ.get("FILE_KILL_AT", "before")
+    file_done = False
     for step in state.steps(steps):
         x, y = data(step)
         rank, size = backend.rank, backend.world_size
         idx = list(range(rank, BATCH, size))
-        if kill_file and os.path.exists(kill_file) and rank == kill_rank and kill_step < 0:
-            kill_step = step
+        if kill_file and rank == file_rank and not file_done and _take(kill_file):
+            # A second kill, when the test says: rank FILE_KILL_RANK, at
+            # FILE_KILL_AT (one process only: the one that took the file).
+            kill_step, kill_rank, kill_at, file_done = step, file_rank, file_at, True
         if step == kill_step and rank == kill_rank:
             print(json.dumps({"event": "kill", "t": time.time()}), flush=True)
             if kill_at == "before":
