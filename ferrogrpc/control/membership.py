@@ -267,8 +267,9 @@ class ElasticMembership:
         """A restarted coordinator learns an adopted epoch's members from
         their heartbeats: before the next epoch opens, wait until every
         member not reported lost has been heard from (a slot still unknown
-        after the heartbeat timeout is a member that is gone)."""
-        while (
+        after the heartbeat timeout is a member that is gone). A poll:
+        the timeout is noticed by time passing, not by an event."""
+        while (  # noqa: ASYNC110
             self._adopted_at is not None
             and self.round is None
             and self.clock() - self._adopted_at <= self.heartbeat_timeout
