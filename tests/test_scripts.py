@@ -17,7 +17,7 @@ RUNS: dict[str, tuple[list[str], str]] = {
         ["--world", "2", "--chunks-mib", "1", "2", "--sizes-mib", "1", "--iters", "1"],
         "MiB",
     ),
-    "elastic_soak.py": (["--nproc", "2", "--burners", "0", "--seconds", "5"], "OK: nobody removed"),
+    "elastic_soak.py": (["--nproc", "2", "--burners", "0", "--seconds", "3"], "OK: nobody removed"),
     "gen_proto.py": (["--check"], ""),
     "grpc_ceiling.py": (
         ["--world-size", "2", "--mib", "2", "--chunk-kib", "256", "--start-delay", "3"],
