@@ -385,7 +385,7 @@ def test_a_stall_a_coordinator_restart_and_a_death_through_the_new_coordinator(
     # and joins again with live state; the coordinator is killed and
     # training goes on without it; a new coordinator rebuilds the group from
     # heartbeats, and a rank that dies then is dropped through it.
-    steps = 170
+    steps = 140
     kill_file = tmp_path / "kill-now"
     run = Run(
         tmp_path,

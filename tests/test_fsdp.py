@@ -32,11 +32,11 @@ def test_resident_parameter_memory_is_a_shard_by_the_kernels_count(
     world: int, report: Callable[[str], None]
 ) -> None:
     # The process's RSS, not the wrapper's own accounting: a full parameter
-    # kept anywhere (a cache, a Work, a closure) shows. Three 64 MiB layers;
+    # kept anywhere (a cache, a Work, a closure) shows. Three 32 MiB layers;
     # glibc returns every large free to the kernel at once (see the rank
     # program), so the RSS is what is alive. What is not parameters moves it
     # by up to ~10 MiB over gRPC (its buffers come and go; through shared
-    # memory it is exact), under the 16 MiB allowed and far under one layer.
+    # memory it is exact), under the 16 MiB allowed and half of one layer.
     env = {"FERROGRPC_MALLOC_TUNING": "0", "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
     outputs = run_ranks("fsdp_memory.py", world, timeout=100, env=env)
     for rank, out in enumerate(outputs):
@@ -51,8 +51,8 @@ def test_resident_parameter_memory_is_a_shard_by_the_kernels_count(
         )
         # The measurement sees parameters at all: the whole model, built.
         assert extra["model"] >= 0.95 * full, (extra, full)
-        # Sharded (4096 x 4096 weights and 4096 biases need no padding at
-        # world 2, a few elements at 3), and so after each step, once the
+        # Sharded (2896 x 2896 weights and 2896 biases need a few elements
+        # of padding at world 3), and so after each step, once the
         # full parameters and gradients are freed.
         bound = full / world + SLACK
         for stage in ("wrapped", "step0", "step1"):
