@@ -3,10 +3,10 @@ burners, and nobody may be removed.
 
 Starts a coordinator and ``--nproc`` ranks of ``client.train --elastic``
 (DDP, one JSON line per step) and ``--burners`` processes that spin on a
-core, for ``--seconds``. Then it reports the steps trained, the epochs the
-group went through (1 means nobody was ever removed), every removal the
-coordinator logged, and whether every member logged the same loss and
-checksum at every step.
+core, for ``--seconds`` from the group's first step. Then it reports the
+steps trained, the epochs the group went through (1 means nobody was ever
+removed), every removal the coordinator logged, and whether every member
+logged the same loss and checksum at every step.
 
     python scripts/elastic_soak.py --nproc 4 --burners 2 --seconds 300
 """
@@ -66,6 +66,15 @@ def main() -> int:
             for o in outs
         ]
         try:
+            # The time counts from the group's first step, not from the
+            # processes' start (imports, the first epoch).
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not all(
+                '{"rank"' in o.read_text(errors="replace") for o in outs
+            ):
+                if any(r.poll() is not None for r in ranks):
+                    break
+                time.sleep(0.2)
             start = time.monotonic()
             while time.monotonic() - start < args.seconds:
                 if any(r.poll() is not None for r in ranks):
