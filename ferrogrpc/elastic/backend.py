@@ -28,7 +28,6 @@ from typing import Any, Protocol
 import torch
 
 from ..control.membership_client import Beat, EpochRendezvous, MembershipClient
-from ..control.rendezvous import route_host
 from ..env import Settings
 from ..errors import (
     CollectiveTimeoutError,
@@ -39,8 +38,7 @@ from ..errors import (
     QuorumLostError,
     RendezvousError,
 )
-from ..runtime.allocator import tune_allocator
-from ..runtime.backend import Backend, is_loopback, start_loop
+from ..runtime.backend import Backend, prepare
 from ..runtime.peer import Peer
 from ..v1 import rendezvous_pb2 as rpb
 
@@ -94,13 +92,7 @@ class ElasticBackend:
         self._client = client
         assert settings.coordinator is not None
         target_host = settings.coordinator.rsplit(":", 1)[0]
-        loopback = is_loopback(target_host)
-        self._bind = settings.bind_host or ("127.0.0.1" if loopback else "0.0.0.0")
-        self._advertise = settings.advertise_host or (
-            "127.0.0.1" if loopback else route_host(target_host)
-        )
-        tune_allocator(settings.malloc_tuning is not False, cap_arenas=not settings.user_arena_max)
-        self._loop, self._thread = start_loop(settings.reduce_threads)
+        self._bind, self._advertise, self._loop, self._thread = prepare(settings, target_host)
         self._current: Backend | None = None
         self._epoch = 0
         self._joined_from = 0

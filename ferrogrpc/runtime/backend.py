@@ -471,14 +471,14 @@ class Backend:
         return f"<ferrogrpc.Backend rank {self.rank}/{self.world_size} {self.address} {state}>"
 
 
-def is_loopback(host: str) -> bool:
+def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return host == "localhost"
 
 
-def start_loop(threads: int) -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+def _start_loop(threads: int) -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
     loop = asyncio.new_event_loop()
     ready = threading.Event()
 
@@ -494,6 +494,21 @@ def start_loop(threads: int) -> tuple[asyncio.AbstractEventLoop, threading.Threa
     return loop, thread
 
 
+def prepare(
+    s: Settings, target_host: str
+) -> tuple[str, str, asyncio.AbstractEventLoop, threading.Thread]:
+    """Where a rank binds and what it advertises, as ``target_host`` (the
+    master's or the coordinator's host) calls for; then the allocator
+    tuning and the loop thread. Returns (bind, advertise, loop, thread)."""
+    loopback = _is_loopback(target_host)
+    bind = s.bind_host or ("127.0.0.1" if loopback else "0.0.0.0")
+    advertise = s.advertise_host or ("127.0.0.1" if loopback else route_host(target_host))
+    # Before the loop thread allocates anything: it is to share one arena.
+    tune_allocator(s.malloc_tuning is not False, cap_arenas=not s.user_arena_max)
+    loop, thread = _start_loop(s.reduce_threads)
+    return bind, advertise, loop, thread
+
+
 def start_backend(
     s: Settings,
     rendezvous: Rendezvous,
@@ -506,12 +521,7 @@ def start_backend(
     coordinator's host, calls for); return the Backend once the group formed.
     Releases everything if it does not."""
     connect = s.timeouts.connect
-    loopback = is_loopback(target_host)
-    bind = s.bind_host or ("127.0.0.1" if loopback else "0.0.0.0")
-    advertise = s.advertise_host or ("127.0.0.1" if loopback else route_host(target_host))
-    # Before the loop thread allocates anything: it is to share one arena.
-    tune_allocator(s.malloc_tuning is not False, cap_arenas=not s.user_arena_max)
-    loop, thread = start_loop(s.reduce_threads)
+    bind, advertise, loop, thread = prepare(s, target_host)
     start = Peer.start(
         rank,
         world_size,

@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,14 +59,6 @@ def model() -> nn.Module:
 
 
 def main() -> None:
-    steps = int(os.environ.get("STEPS", "40"))
-    world = int(os.environ.get("WORLD", "4"))
-    slow = float(os.environ.get("SLOW", "0.2"))
-    kill_step = int(os.environ.get("KILL_STEP", "-1"))
-    kill_rank = int(os.environ.get("KILL_RANK", "-1"))
-    kill_at = os.environ.get("KILL_AT", "before")
-    stop_step = int(os.environ.get("STOP_STEP", "-1"))
-    stop_rank = int(os.environ.get("STOP_RANK", "-1"))
     out_dir = os.environ["OUT_DIR"]
     min_world = int(os.environ.get("MIN_WORLD", "2"))
 
@@ -76,24 +69,8 @@ def main() -> None:
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
     state = fg.ElasticState(ddp, opt, extra={"tag": "elastic-test"})
     print(json.dumps({"event": "start", "pid": os.getpid(), "t": time.time()}), flush=True)
-    kill_file = os.environ.get("KILL_FILE", "")
     try:
-        run(
-            backend,
-            ddp,
-            net,
-            opt,
-            state,
-            steps,
-            world,
-            slow,
-            kill_step,
-            kill_rank,
-            kill_at,
-            stop_step,
-            stop_rank,
-            kill_file,
-        )
+        run(backend, ddp, net, opt, state)
     except fg.QuorumLostError as exc:
         print(
             json.dumps({"event": "quorum", "lost": exc.lost, "error": str(exc), "t": time.time()}),
@@ -118,22 +95,17 @@ def _take(path: str) -> bool:
     return True
 
 
-def run(
-    backend,
-    ddp,
-    net,
-    opt,
-    state,
-    steps,
-    world,
-    slow,
-    kill_step,
-    kill_rank,
-    kill_at,
-    stop_step,
-    stop_rank,
-    kill_file,
-):  # type: ignore[no-untyped-def]
+def run(backend: Any, ddp: Any, net: Any, opt: Any, state: Any) -> None:
+    """The training loop, with the faults the environment asks for."""
+    steps = int(os.environ.get("STEPS", "40"))
+    world = int(os.environ.get("WORLD", "4"))
+    slow = float(os.environ.get("SLOW", "0.2"))
+    kill_step = int(os.environ.get("KILL_STEP", "-1"))
+    kill_rank = int(os.environ.get("KILL_RANK", "-1"))
+    kill_at = os.environ.get("KILL_AT", "before")
+    stop_step = int(os.environ.get("STOP_STEP", "-1"))
+    stop_rank = int(os.environ.get("STOP_RANK", "-1"))
+    kill_file = os.environ.get("KILL_FILE", "")
     pace = float(os.environ.get("PACE", "0"))
     file_rank = int(os.environ.get("FILE_KILL_RANK", str(kill_rank)))
     file_at = os.environ.get("FILE_KILL_AT", "before")
