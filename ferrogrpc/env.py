@@ -47,6 +47,7 @@ TLS_SERVER_NAME_ENV: Final = "FERROGRPC_TLS_SERVER_NAME"
 REDUCE_THREADS_ENV: Final = "FERROGRPC_REDUCE_THREADS"
 MALLOC_TUNING_ENV: Final = "FERROGRPC_MALLOC_TUNING"
 SHM_ENV: Final = "FERROGRPC_SHM"
+DIRECT_ENV: Final = "FERROGRPC_DIRECT"
 # The coordinator's: the most ranks an elastic round takes.
 MAX_RANKS_ENV: Final = "FERROGRPC_MAX_RANKS"
 # Elastic groups (elastic/): on, the fewest members, and how long a member
@@ -145,6 +146,8 @@ class Settings:
     malloc_tuning: bool | None = None
     user_arena_max: bool = False
     shm: bool = True
+    # Small collectives between hosts on the TCP mesh (runtime/direct_mesh.py).
+    direct: bool = True
     max_ranks: int = 1024
     elastic: bool = False
     min_world_size: int = 1
@@ -200,6 +203,7 @@ class Settings:
                 else env.get(MALLOC_TUNING_ENV, "").lower() not in _OFF
             ),
             shm=_switch(env, SHM_ENV, True),
+            direct=_switch(env, DIRECT_ENV, True),
             max_ranks=1024 if max_ranks is None else max_ranks,
             elastic=_switch(env, ELASTIC_ENV, False),
             min_world_size=1 if min_world is None else min_world,

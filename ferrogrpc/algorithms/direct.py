@@ -1,10 +1,17 @@
-"""Small collectives on one host, run from the caller's thread.
+"""Small collectives run from the caller's thread, on direct sockets.
 
-When every rank shares one host, a small collective (``exchange_plan.is_small``:
-at most ``exchange_plan.SMALL_BYTES``, per rank's part for an all-gather or a
-reduce-scatter) is one exchange of messages on *direct sockets*: a
-Unix socket pair per pair of ranks, set up with the shared-memory plane
-(samehost/plane.py), that the calling thread uses itself. A synchronous call runs
+A small collective (``exchange_plan.is_small``: at most
+``exchange_plan.SMALL_BYTES``, per rank's part for an all-gather or a
+reduce-scatter) is one exchange of messages on *direct sockets*, one socket
+per pair of ranks, that the calling thread uses itself. They come from a
+:class:`DirectSockets`:
+
+- when every rank shares one host, a Unix socket pair per pair of ranks,
+  set up with the shared-memory plane (samehost/plane.py);
+- when no two ranks share memory (one rank per host, or shared memory off),
+  the TCP mesh (runtime/direct_mesh.py): a TCP connection per pair, opened
+  at start-up and authenticated with the ranks' credentials, whose messages
+  carry the job's checksum as gRPC chunks do. A synchronous call runs
 the exchange in the calling thread itself, as gloo does: no hand-off to the
 event loop and back, no asyncio task per message. An asynchronous one (or a
 call made while an earlier direct one is still running) runs the same
@@ -16,13 +23,14 @@ What the loop's path guarantees holds here too:
 
 - every message carries its sender's descriptor, checked as a ring's is;
   a rank that ran the collective another way (a size on the other side of
-  the threshold) is found through the plane's signals and named;
+  the threshold) is found through the plane's signals, or its gRPC stream's
+  arrival, and named;
 - a peer whose process ends is found by its socket's end, after its last
-  report through the plane has had a moment to land;
+  report (through the plane, or gRPC's abort) has had a moment to land;
 - a peer that sends nothing for the idle timeout is pinged: one that does
   not answer is named as stuck; the collective deadline still applies;
 - a refusal, a break or a close reaches the waiting thread through the
-  plane's wake socket, and the failure policy decides what is raised, on
+  wake socket, and the failure policy decides what is raised, on
   the loop, as for every other collective.
 """
 
@@ -35,12 +43,12 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, Protocol, TypeVar, overload
 
 import torch
 
-from ..errors import CollectiveTimeoutError, Evidence, FerroGrpcError, PeerError
-from ..samehost.plane import BEGIN, LocalPlane, split_small
+from ..errors import CollectiveTimeoutError, Evidence, FerroGrpcError, PeerError, ProtocolError
+from ..transport.integrity import Checksum
 from ..transport.wire import bytes_view
 from ..v1 import collective_pb2 as pb
 from .context import RankContext
@@ -56,16 +64,58 @@ DIRECT_KINDS = frozenset(
     (pb.ALL_REDUCE, pb.BARRIER, pb.BROADCAST, pb.ALL_GATHER, pb.REDUCE_SCATTER)
 )
 
-# A message's head: the bytes after the head, the collective's seq, and the
-# length of the sender's serialized descriptor (which comes next).
-_HEAD = struct.Struct("<IQH")
+# A message's head: the bytes after the head, the collective's seq, the
+# length of the sender's serialized descriptor (which comes next), and the
+# payload's checksum (0 where the sockets carry none).
+_HEAD = struct.Struct("<IQHI")
 
 # The most one read takes from a direct socket.
 RECV_BYTES = 256 << 10
 
-# How long a rank whose peer's direct socket ended waits for that peer's
-# last report through the plane (its abort travels on the signal socket).
-REPORT_WAIT_S = 1.0
+
+class DirectSockets(Protocol):
+    """Where a rank's direct sockets come from, and what tells a thread
+    waiting on them to stop: the same-host plane, or the TCP mesh."""
+
+    # The seq of the direct collective running now: what arrives for it
+    # another way wakes the waiting thread.
+    direct_seq: int
+    # Readable when the waiting thread must look at why it should stop.
+    wake_r: socket.socket
+    # How an error places a peer ("on this host", or "").
+    where: str
+    # What each message's payload is checked with (None: not checked).
+    checksum: Checksum | None
+    # How long a rank whose peer's socket ended waits for that peer's last
+    # report (the cause it failed with) to land.
+    report_wait: float
+
+    def direct_sockets(self) -> dict[int, socket.socket]:
+        """One connected socket per other rank."""
+        ...
+
+    @property
+    def failed(self) -> FerroGrpcError | None:
+        """Why these sockets can no longer be used (a report), if so."""
+        ...
+
+    def gone_of(self, rank: int) -> FerroGrpcError | None:
+        """Why ``rank`` is known to be gone, if it is."""
+        ...
+
+    def other_way(self, rank: int, seq: int) -> tuple[pb.Descriptor, str] | None:
+        """If ``rank`` ran collective ``seq`` another way: its descriptor,
+        and how it ran it."""
+        ...
+
+    def wake(self) -> None:
+        """Wake the waiting thread (thread-safe)."""
+        ...
+
+    def abort(self, abort: pb.Abort) -> None:
+        """Tell the ranks these sockets reach why this rank failed, where
+        gRPC's own abort does not already."""
+        ...
 
 
 def is_direct(desc: pb.Descriptor, itemsize: int) -> bool:
@@ -84,7 +134,7 @@ class Direct:
     def __init__(
         self,
         ctx: RankContext,
-        plane: LocalPlane,
+        plane: DirectSockets,
         check_open: Callable[[], None],
         loop: asyncio.AbstractEventLoop,
     ) -> None:
@@ -93,10 +143,8 @@ class Direct:
         self.plane = plane
         self.check_open = check_open
         self.loop = loop
-        self.socks: dict[int, socket.socket] = {}
-        for rank, link in plane.links.items():
-            assert link.direct is not None
-            self.socks[rank] = link.direct
+        self.socks: dict[int, socket.socket] = plane.direct_sockets()
+        self._checksum = plane.checksum
         # What each socket delivered past its last whole message, and the
         # buffer every read lands in first (one read takes a small message whole).
         self._inbuf = {rank: bytearray() for rank in self.socks}
@@ -198,7 +246,8 @@ class Direct:
     def _send(self, job: Job, dst: int, desc: bytes, view: memoryview) -> None:
         """Send one message to ``dst`` (a peer that takes none of it for
         the idle timeout is stuck)."""
-        head = _HEAD.pack(len(desc) + view.nbytes, job.seq, len(desc)) + desc
+        crc = self._checksum(view) if self._checksum is not None else 0
+        head = _HEAD.pack(len(desc) + view.nbytes, job.seq, len(desc), crc) + desc
         sock = self.socks[dst]
         parts = [memoryview(head), view]
         ended: set[int] = set()  # other peers whose socket ended meanwhile
@@ -273,12 +322,23 @@ class Direct:
         out = []
         at = 0
         while len(buf) - at >= _HEAD.size:
-            length, seq, dlen = _HEAD.unpack_from(buf, at)
+            length, seq, dlen, crc = _HEAD.unpack_from(buf, at)
             end = at + _HEAD.size + length
             if len(buf) < end:
                 break
             payload = memoryview(bytes(buf[at + _HEAD.size : end]))
-            out.append((seq, (bytes(payload[:dlen]), payload[dlen:])))
+            data = payload[dlen:]
+            if self._checksum is not None and self._checksum(data) != crc:
+                raise self.me.error(
+                    ProtocolError,
+                    f"rank {src}'s message for {job.name}#{seq} failed its checksum on the "
+                    "direct socket: corrupted in transit",
+                    op=job.name,
+                    seq=seq,
+                    peer=src,
+                    evidence=Evidence.FOUND,
+                )
+            out.append((seq, (bytes(payload[:dlen]), data)))
             at = end
         del buf[:at]
         return out
@@ -316,20 +376,14 @@ class Direct:
         if failed is not None:
             raise self.me.stamp(failed, job.name, job.seq)
         for src in pending:
-            # A local peer that closed is only a cause if this rank still
-            # waits for it (it finished; its messages were read first).
-            gone = self.plane.links[src].gone
+            # A peer that closed is only a cause if this rank still waits
+            # for it (it finished; its messages were read first).
+            gone = self.plane.gone_of(src)
             if gone is not None:
                 raise self.me.stamp(gone, job.name, job.seq)
-            fut = self.plane.links[src].first.get(job.seq)
-            if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
-                continue
-            kind, payload = fut.result()
-            if kind == BEGIN:
-                theirs = pb.Descriptor.FromString(payload)
-                raise mismatch(self.me, job, src, theirs, "ran it through shared segments")
-            theirs = pb.Descriptor.FromString(split_small(payload)[0])
-            raise mismatch(self.me, job, src, theirs, "ran it as a larger small collective")
+            other = self.plane.other_way(src, job.seq)
+            if other is not None:
+                raise mismatch(self.me, job, src, *other)
 
     def _drain_wake(self) -> None:
         try:
@@ -344,18 +398,19 @@ class Direct:
         is the cause."""
         self.check_open()
         failure = self.ctx.failure
-        end = time.monotonic() + REPORT_WAIT_S
-        link = self.plane.links[src]
-        while self.plane.failed is None and link.gone is None and failure.broken is None:
+        end = time.monotonic() + self.plane.report_wait
+        plane = self.plane
+        while plane.failed is None and plane.gone_of(src) is None and failure.broken is None:
             left = end - time.monotonic()
             if left <= 0:
                 break
             select.select([self.plane.wake_r], [], [], left)
             self._drain_wake()
         self._check(job, {src})
+        where = f" {plane.where}" if plane.where else ""
         return self.me.error(
             PeerError,
-            f"rank {src} on this host is gone: its direct socket closed ({exc})",
+            f"rank {src}{where} is gone: its direct socket closed ({exc})",
             op=job.name,
             seq=job.seq,
             peer=src,

@@ -8,6 +8,7 @@ its key; the algorithm that consumes it takes it from there.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from ..errors import Evidence, FerroGrpcError
 from ..transport.streams import InStream
@@ -48,6 +49,16 @@ class Mailboxes:
     def __init__(self, limit: int = MAX_UNCLAIMED_STREAMS) -> None:
         self._boxes: dict[MailboxKey, Mailbox] = {}
         self._limit = limit
+        # Told (seq, src, header) of every collective's stream or message the
+        # intake delivers: the TCP mesh learns from it that a rank ran a
+        # collective over gRPC that this rank runs on the direct sockets.
+        self.on_arrival: Callable[[int, int, pb.ChunkHeader], None] | None = None
+
+    def arrived(self, key: MailboxKey, arrival: Arrival) -> None:
+        """Deliver ``arrival`` to the mailbox of ``key`` (the intake)."""
+        self.get(key).arrived.set_result(arrival)
+        if self.on_arrival is not None and key[0] != P2P_KEY:
+            self.on_arrival(key[1], key[3], arrival[0])
 
     def get(self, key: MailboxKey) -> Mailbox:
         box = self._boxes.get(key)

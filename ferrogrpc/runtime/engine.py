@@ -23,7 +23,7 @@ import torch
 
 from ..algorithms.context import RankContext
 from ..algorithms.descriptor import build_plans, make_descriptor
-from ..algorithms.direct import DeadlinePassedError, Direct, is_direct
+from ..algorithms.direct import DeadlinePassedError, Direct, DirectSockets, is_direct
 from ..algorithms.exchange_plan import is_small
 from ..algorithms.jobs import Job, JobTable
 from ..algorithms.links import Links
@@ -74,9 +74,17 @@ class Engine:
         self._by_part = topo.single_host or not topo.shares_memory
         # Small collectives run on direct sockets when every rank is on this host.
         self.direct: Direct | None = None
+        self._sockets: DirectSockets | None = None
         if plane is not None and self.topology.single_host and ctx.identity.world_size > 1:
-            self.direct = Direct(ctx, plane, life.check, self._loop)
-            jobs.wake = plane.wake
+            self.attach_direct(plane)
+
+    def attach_direct(self, sockets: DirectSockets) -> None:
+        """Run small collectives on ``sockets`` from now on (the same-host
+        plane's, or the TCP mesh). Every rank attaches the same kind at the
+        same point of its call order: before it numbers its next collective."""
+        self._sockets = sockets
+        self.direct = Direct(self.ctx, sockets, self.life.check, self._loop)
+        self.jobs.wake = sockets.wake
 
     @property
     def chunk_bytes(self) -> int:
@@ -241,8 +249,8 @@ class Engine:
 
     async def _run_direct(self, job: Job) -> None:
         """A direct job from the loop: in its turn, in the direct thread."""
-        direct = self.direct
-        assert direct is not None and self.plane is not None
+        direct, sockets = self.direct, self._sockets
+        assert direct is not None and sockets is not None
         stage = job.stage
         if stage is not None:
             await stage.ready(0, job.buffer.numel())
@@ -259,7 +267,7 @@ class Engine:
                     PeerError, "the collective was stopped", op=job.name, seq=job.seq
                 )
             )
-            self.plane.wake()
+            sockets.wake()
             await asyncio.wait([running])
             if not running.cancelled():
                 running.exception()  # it raised what it was stopped for: seen
@@ -273,22 +281,22 @@ class Engine:
             stage.final(*done)
 
     def _direct_deadline(self, job: Job) -> FerroGrpcError:
-        """Direct job ``job`` missed its deadline: break, tell the host's
-        ranks, and return the error to raise. On the loop."""
+        """Direct job ``job`` missed its deadline: break, tell the ranks the
+        direct sockets reach, and return the error to raise. On the loop."""
         failure = self.ctx.failure
         err = failure.deadline_passed(job.name, job.seq, self.ctx.timeouts.collective)
-        assert self.plane is not None
-        self.plane.abort(failure.abort_message(err))
+        assert self._sockets is not None
+        self._sockets.abort(failure.abort_message(err))
         return err
 
     def _abort_plane(self, exc: FerroGrpcError, job: Job) -> None:
-        """Tell the host's ranks why direct job ``job`` failed here, unless
-        the plane survives that (a refusal). On the loop."""
+        """Tell the ranks the direct sockets reach why direct job ``job``
+        failed here, unless the plane survives that (a refusal). On the loop."""
         failure = self.ctx.failure
         cause = failure.cause(exc, job.name, job.seq)
-        assert self.plane is not None
+        assert self._sockets is not None
         if not failure.plane_survives(cause, mid_round=False):
-            self.plane.abort(failure.abort_message(cause))
+            self._sockets.abort(failure.abort_message(cause))
 
     async def _deadline(self, job: Job) -> FerroGrpcError:
         return self._direct_deadline(job)

@@ -127,7 +127,7 @@ class Intake:
             raise ProtocolError(
                 f"duplicate stream for seq {header.seq} lane {header.lane} from {origin}"
             )
-        box.arrived.set_result((header, stream))
+        self.mailboxes.arrived(key, (header, stream))
         try:
             async with asyncio.timeout(s.linger):
                 await asyncio.shield(box.done)
@@ -175,7 +175,7 @@ class Intake:
                 raise ProtocolError(
                     f"duplicate message for seq {header.seq} part {header.lane} from rank {src}"
                 )
-            box.arrived.set_result((header, payload))
+            self.mailboxes.arrived(key, (header, payload))
 
     async def handle_abort(self, message: bytes) -> None:
         s = await self._session

@@ -13,6 +13,7 @@ takes a sequence number, and returns a :class:`~ferrogrpc.runtime.call.Call`.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Self, TypeVar
 
@@ -27,17 +28,21 @@ from ..env import Settings
 from ..errors import CollectiveTimeoutError, ConfigError, FerroGrpcError, Identity, PeerError
 from ..ops import DTYPE_TO_WIRE, ReduceOp
 from ..options import ChunkPolicy, Timeouts, TLSConfig
+from ..transport.grpc_streams import GrpcTransport
 from ..transport.integrity import Checksum
 from ..transport.streams import Transport
 from ..v1 import collective_pb2 as pb
 from . import validate
 from .call import Call
+from .direct_mesh import TcpMesh
 from .engine import Engine
 from .join import Parts, join
 from .placement import Placed, Placement
 from .refusal import CallChecks, group_count
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 # How long close() waits for abort notices still being delivered.
 ABORT_DELIVERY_S = 2.0
@@ -81,6 +86,7 @@ class Peer:
         self._checks = CallChecks(
             parts.jobs, parts.ctx.failure, parts.life, self._engine.refused
         ).run
+        self._mesh: TcpMesh | None = None
 
     @property
     def rank(self) -> int:
@@ -120,6 +126,8 @@ class Peer:
         await self._ctx.failure.drain(ABORT_DELIVERY_S)
         await self._engine.links.close()
         self._engine.close()
+        if self._mesh is not None:
+            self._mesh.close()
         await self._parts.close()
 
     async def __aenter__(self) -> Self:
@@ -178,6 +186,7 @@ class Peer:
         parts = await join(
             s, rank, world_size, rendezvous, transport, bind_host, port, advertise_host
         )
+        peer: Peer | None = None
         try:
             me = parts.ctx.identity
             peer = cls(
@@ -186,11 +195,55 @@ class Peer:
             parts.open()
             if me.world_size > 1:
                 await peer._check_ring(s.timeouts.connect)
+                if s.direct and s.tls is None and peer._mesh_fits():
+                    await peer._open_mesh(bind_host)
         except BaseException:
+            if peer is not None and peer._mesh is not None:
+                peer._mesh.close()
             await parts.close()
             raise
         parts.rendezvous.start_heartbeats(parts.jobs.current)
         return peer
+
+    def _mesh_fits(self) -> bool:
+        """Whether small collectives would otherwise cross gRPC between every
+        pair of ranks: no direct sockets on one host, no two ranks sharing
+        memory, and gRPC addresses to reach."""
+        parts = self._parts
+        return (
+            self._engine.direct is None
+            and not parts.topology.shares_memory
+            and isinstance(parts.ctx.transport, GrpcTransport)
+        )
+
+    async def _open_mesh(self, bind_host: str) -> None:
+        """Form the TCP mesh, or agree to go without it (see [Note: the TCP
+        mesh] in direct_mesh.py). Two small collectives over gRPC, the same
+        on every rank."""
+        mesh = TcpMesh(self._ctx, self._parts.credentials)
+        self._mesh = mesh
+        try:
+            port = mesh.listen(bind_host)
+        except OSError as exc:
+            log.debug("rank %d: no TCP mesh listener: %r", self.rank, exc)
+            port = -1
+        ports = await self.all_gather(torch.tensor([port], dtype=torch.int64))
+        every = [int(p.item()) for p in ports]
+        formed = min(every) > 0 and await mesh.connect(every)
+        agreed = torch.tensor([1 if formed else 0], dtype=torch.int32)
+        await self.all_reduce(agreed, ReduceOp.MIN)
+        if int(agreed.item()) == 1:
+            self._ctx.mailboxes.on_arrival = mesh.note_arrival
+            self._engine.attach_direct(mesh)
+            return
+        self._mesh = None
+        mesh.close()
+        if self.rank == 0:
+            log.warning(
+                "ferrogrpc: the ranks could not all reach each other's TCP mesh port "
+                "(a firewall that lets only the gRPC ports through?); small collectives "
+                "go over gRPC instead. FERROGRPC_DIRECT=0 skips this attempt."
+            )
 
     async def _check_ring(self, timeout: float) -> None:
         try:

@@ -58,6 +58,7 @@ from ..errors import (
     ProtocolError,
     RendezvousError,
 )
+from ..transport.integrity import Checksum
 from ..v1 import collective_pb2 as pb
 
 # Signal kinds.
@@ -466,6 +467,37 @@ class LocalPlane:
     @property
     def failed(self) -> FerroGrpcError | None:  # an abort, or a broken plane
         return self._failed
+
+    # ------------------------------------------ as direct.py's DirectSockets
+
+    where = "on this host"
+    # How long a direct wait whose peer's socket ended waits for that peer's
+    # report (its abort travels on the signal socket).
+    report_wait = 1.0
+    checksum: Checksum | None = None  # bytes that never leave the host's memory
+
+    def direct_sockets(self) -> dict[int, socket.socket]:
+        out = {}
+        for rank, link in self.links.items():
+            assert link.direct is not None
+            out[rank] = link.direct
+        return out
+
+    def gone_of(self, rank: int) -> FerroGrpcError | None:
+        return self.links[rank].gone
+
+    def other_way(self, rank: int, seq: int) -> tuple[pb.Descriptor, str] | None:
+        """What rank ``rank`` signalled for collective ``seq``, when it ran it
+        through the segments or as a larger small collective (a direct
+        collective signals nothing)."""
+        fut = self.links[rank].first.get(seq)
+        if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return None
+        kind, payload = fut.result()
+        if kind == BEGIN:
+            return pb.Descriptor.FromString(payload), "ran it through shared segments"
+        theirs = pb.Descriptor.FromString(split_small(payload)[0])
+        return theirs, "ran it as a larger small collective"
 
     def wake(self) -> None:
         """Wake a thread waiting on the direct sockets (thread-safe)."""
