@@ -196,19 +196,29 @@ def os_thread_names() -> dict[str, int]:
 
 def count_exchanges(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Record the kind of every all-gather and reduce-scatter that runs in
-    one exchange (small.SmallRunner), in this process, from now on."""
+    one exchange (one_exchange.SmallRunner, or on direct sockets:
+    direct.Direct), in this process, from now on."""
+    from ferrogrpc.algorithms.direct import Direct
+    from ferrogrpc.algorithms.jobs import Job
     from ferrogrpc.algorithms.one_exchange import SmallRunner
     from ferrogrpc.v1 import collective_pb2 as pb
 
     kinds: list[int] = []
     run = SmallRunner.run
+    run_direct = Direct.run
 
     async def counting(self: SmallRunner) -> None:
         if self.job.kind in (pb.ALL_GATHER, pb.REDUCE_SCATTER):
             kinds.append(self.job.kind)
         await run(self)
 
+    def counting_direct(self: Direct, job: Job) -> tuple[int, int]:
+        if job.kind in (pb.ALL_GATHER, pb.REDUCE_SCATTER):
+            kinds.append(job.kind)
+        return run_direct(self, job)
+
     monkeypatch.setattr(SmallRunner, "run", counting)
+    monkeypatch.setattr(Direct, "run", counting_direct)
     return kinds
 
 

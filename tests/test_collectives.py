@@ -227,11 +227,11 @@ async def test_gathers_and_scatters_are_small_by_part_unless_hosts_share_ranks(
     # two-level path where hosts hold several ranks each, whose one exchange
     # would send every part to every rank of the other host. Results
     # against float64.
-    exchanges = count_exchanges(monkeypatch)
     world, part = len(hosts), SMALL_BYTES // 8
     xs = [torch.randn(part, dtype=torch.float64) for _ in range(world)]
     full = [torch.randn(world * part - 1, dtype=torch.float64) for _ in range(world)]
     async with fg.testing.local_group(world, transport="shm", hosts=hosts) as peers:
+        exchanges = count_exchanges(monkeypatch)  # after the start-up's own
         outs = [torch.empty(world * part, dtype=torch.float64) for _ in range(world)]
         await asyncio.gather(
             *(p.all_gather_into_tensor(o, x) for p, o, x in zip(peers, outs, xs, strict=True))

@@ -13,7 +13,8 @@ host (direct.py): no hand-off at all for a synchronous call.
 Set-up, in :meth:`Peer.start` after the ring check, the same on every rank:
 
 1. each rank listens on its gRPC bind host, port 0;
-2. the ports go round in one all-gather over gRPC (authenticated there);
+2. the ports go round in the all-gather over gRPC that checks the ring
+   (authenticated there; it takes the place of the ring check's barrier);
 3. each rank connects to every higher rank and admits every lower one.
    A connection is admitted by a handshake bound to both ranks'
    credentials (intake.credential)::
@@ -27,10 +28,11 @@ Set-up, in :meth:`Peer.start` after the ring check, the same on every rank:
    :data:`HANDSHAKE_S` deadline: a connection that sends nothing, or
    fails it, is dropped and delays nobody. The listener closes once every
    lower rank is connected;
-4. one all-reduce (MIN) over gRPC tells every rank whether every rank
-   connected. If any could not (a firewall that opens only the gRPC
-   ports), no rank uses the mesh: small collectives go over gRPC as
-   before, and a warning says why.
+4. each rank tells every peer it reached whether it reached them all, and
+   uses the mesh only if it did and they all did: a rank that reached all
+   hears from all, so every rank decides alike. If any could not (a
+   firewall that opens only the gRPC ports), no rank uses the mesh: small
+   collectives go over gRPC as before, and a warning says why.
 
 The mesh is not used with TLS (its bytes are not encrypted; gRPC's are),
 nor with ``FERROGRPC_DIRECT=0``. Its messages carry the job's checksum,
@@ -131,10 +133,26 @@ class TcpMesh:
                     group.create_task(self._dial(r, _host(self.me.address_of(r)), ports[r]))
         except (TimeoutError, OSError, ExceptionGroup) as exc:
             log.debug("rank %d: the TCP mesh did not form: %r", me, exc)
-            return False
         finally:
             self._close_listener()
-        return len(self.socks) == world - 1
+        return await self._agree(len(self.socks) == world - 1, deadline_s)
+
+    async def _agree(self, mine: bool, deadline_s: float) -> bool:
+        """Whether every rank formed the whole mesh: each tells the peers it
+        reached whether it did, and uses the mesh only if it did and every
+        peer says so. A rank that formed it hears from every rank, so all
+        decide alike without a collective more."""
+        loop = asyncio.get_running_loop()
+        socks = list(self.socks.values())
+        try:
+            async with asyncio.timeout(deadline_s + HANDSHAKE_S):
+                for sock in socks:
+                    await loop.sock_sendall(sock, b"\x01" if mine else b"\x00")
+                theirs = [await _read(loop, sock, 1) for sock in socks]
+        except (TimeoutError, OSError) as exc:
+            log.debug("rank %d: no word from every mesh peer: %r", self.me.rank, exc)
+            return False
+        return mine and all(flag == b"\x01" for flag in theirs)
 
     async def _dial(self, rank: int, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()

@@ -194,9 +194,10 @@ class Peer:
             )
             parts.open()
             if me.world_size > 1:
-                await peer._check_ring(s.timeouts.connect)
                 if s.direct and s.tls is None and peer._mesh_fits():
-                    await peer._open_mesh(bind_host)
+                    await peer._open_mesh(bind_host, s.timeouts.connect)
+                else:
+                    await peer._check_ring(s.timeouts.connect)
         except BaseException:
             if peer is not None and peer._mesh is not None:
                 peer._mesh.close()
@@ -216,23 +217,19 @@ class Peer:
             and isinstance(parts.ctx.transport, GrpcTransport)
         )
 
-    async def _open_mesh(self, bind_host: str) -> None:
+    async def _open_mesh(self, bind_host: str, timeout: float) -> None:
         """Form the TCP mesh, or agree to go without it (see [Note: the TCP
-        mesh] in direct_mesh.py). Two small collectives over gRPC, the same
-        on every rank."""
+        mesh] in direct_mesh.py). The ports go round in the all-gather that
+        checks the ring (instead of its barrier): no collective more."""
         mesh = TcpMesh(self._ctx, self._parts.credentials)
         self._mesh = mesh
         try:
             port = mesh.listen(bind_host)
         except OSError as exc:
             log.debug("rank %d: no TCP mesh listener: %r", self.rank, exc)
-            port = -1
-        ports = await self.all_gather(torch.tensor([port], dtype=torch.int64))
-        every = [int(p.item()) for p in ports]
-        formed = min(every) > 0 and await mesh.connect(every)
-        agreed = torch.tensor([1 if formed else 0], dtype=torch.int32)
-        await self.all_reduce(agreed, ReduceOp.MIN)
-        if int(agreed.item()) == 1:
+            port = 0
+        ports = await self._check_ring(timeout, port)
+        if min(ports) > 0 and await mesh.connect(ports):
             self._ctx.mailboxes.on_arrival = mesh.note_arrival
             self._engine.attach_direct(mesh)
             return
@@ -245,10 +242,16 @@ class Peer:
                 "go over gRPC instead. FERROGRPC_DIRECT=0 skips this attempt."
             )
 
-    async def _check_ring(self, timeout: float) -> None:
+    async def _check_ring(self, timeout: float, port: int | None = None) -> list[int]:
+        """A barrier (or, with ``port``, an all-gather of every rank's mesh
+        port, returned) within ``timeout``: every rank reaches every other."""
         try:
             async with asyncio.timeout(timeout):
-                await self.barrier()
+                if port is None:
+                    await self.barrier()
+                    return []
+                ports = await self.all_gather(torch.tensor([port], dtype=torch.int64))
+                return [int(p.item()) for p in ports]
         except TimeoutError as exc:
             raise self._me.error(
                 CollectiveTimeoutError, f"the ring did not form within {timeout:g}s"
