@@ -29,7 +29,7 @@ WORLD = 3
 def _spy(backend: fg.Backend, seen: list[tuple[str, int]]) -> None:
     """Record which thread runs each direct job of ``backend``."""
     direct = backend.peer._engine.direct
-    assert direct is not None, "every rank is on this host: small collectives must go direct"
+    assert direct is not None, "small collectives must go direct (same host, or the TCP mesh)"
     run = direct.run
 
     def spying(job: Any) -> Any:
@@ -44,8 +44,12 @@ def _inputs(rank: int, step: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=g, dtype=torch.float64)
 
 
-def test_every_direct_kind_against_float64_and_in_the_callers_thread() -> None:
-    group = backends(WORLD)
+@pytest.mark.parametrize("shm", [True, False], ids=["same-host", "tcp-mesh"])
+def test_every_direct_kind_against_float64_and_in_the_callers_thread(shm: bool) -> None:
+    # On one host the direct sockets are the plane's; with no shared memory
+    # (one rank per host) the TCP mesh's. Either way the caller's own thread
+    # runs each small collective: no hand-off to the event loop and back.
+    group = backends(WORLD, shm=shm)
     threads: list[list[tuple[str, int]]] = [[] for _ in range(WORLD)]
     for backend, seen in zip(group, threads, strict=True):
         _spy(backend, seen)
@@ -169,16 +173,18 @@ def test_async_and_blocking_direct_calls_keep_call_order() -> None:
             b.close()
 
 
+@pytest.mark.parametrize("shm", [True, False], ids=["same-host", "tcp-mesh"])
 @pytest.mark.parametrize("late", [0.0, 0.5], ids=["together", "rank-0-late"])
 @pytest.mark.parametrize("other", [40_000, 1 << 20])
 def test_a_size_across_the_threshold_is_a_protocol_error_on_both_ranks(
-    other: int, late: float
+    other: int, late: float, shm: bool
 ) -> None:
     # Rank 0's all_reduce goes direct; rank 1's goes direct too but
-    # disagrees (160 KB), or does not (4 MB: rounds through shared segments).
-    # With rank 0 late, rank 1's first message has arrived before rank 0's
-    # direct wait begins: it must still be seen, not waited past.
-    group = backends(2)
+    # disagrees (160 KB), or does not (4 MB: rounds through shared segments
+    # on one host, rings over gRPC between hosts). With rank 0 late, rank
+    # 1's first message has arrived before rank 0's direct wait begins: it
+    # must still be seen, not waited past.
+    group = backends(2, shm=shm)
     try:
 
         def work(rank: int) -> str:
@@ -226,8 +232,9 @@ def test_a_refusal_then_direct_calls_go_on(report: Callable[[str], None]) -> Non
 
 
 @pytest.mark.timeout(120)
-def test_a_killed_rank_is_named_in_a_direct_wait(report: Callable[[str], None]) -> None:
-    with ServedJob(3) as job:
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["same-host", "tcp-mesh"])
+def test_a_killed_rank_is_named_in_a_direct_wait(shm: str, report: Callable[[str], None]) -> None:
+    with ServedJob(3, FERROGRPC_SHM=shm) as job:
         for answer in job.command("small 3"):
             assert answer.startswith("OK"), answer
         os.kill(job.pids[2], signal.SIGKILL)
@@ -240,7 +247,8 @@ def test_a_killed_rank_is_named_in_a_direct_wait(report: Callable[[str], None]) 
             assert f"rank {rank}/3" in answer and "peer 2" in answer, answers
             assert "gone" in answer, answers
         assert took < 10, took
-        report(f"direct path: a SIGKILLed rank named by the others in {took:.2f} s")
+        path = "same host" if shm == "1" else "TCP mesh"
+        report(f"direct path ({path}): a SIGKILLed rank named by the others in {took:.2f} s")
 
 
 @pytest.mark.timeout(120)

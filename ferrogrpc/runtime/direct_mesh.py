@@ -121,9 +121,12 @@ class TcpMesh:
         self._listener = sock
         return int(sock.getsockname()[1])
 
-    async def connect(self, ports: Sequence[int], deadline_s: float = FORM_S) -> bool:
+    async def connect(self, ports: Sequence[int], deadline_s: float | None = None) -> bool:
         """Connect to every higher rank, admit every lower one; True if every
-        connection formed within ``deadline_s``. Closes the listener."""
+        rank formed every connection within ``deadline_s`` (default
+        :data:`FORM_S`). Closes the listener."""
+        if deadline_s is None:
+            deadline_s = FORM_S
         me, world = self.me.rank, self.me.world_size
         lower = set(range(me))
         try:
@@ -208,6 +211,7 @@ class TcpMesh:
     async def _hello(self, sock: socket.socket, waiting: set[int]) -> None:
         loop = asyncio.get_running_loop()
         me = self.me.rank
+        admitted = False
         try:
             async with asyncio.timeout(HANDSHAKE_S):
                 magic, src, dst, c = _HELLO.unpack(await _read(loop, sock, _HELLO.size))
@@ -219,13 +223,16 @@ class TcpMesh:
                 )
                 mac = await _read(loop, sock, _MAC)
                 want = _proof(self.credentials[src], b"connector", src, me, c, mine)
-                if not hmac.compare_digest(mac, want):
+                if not hmac.compare_digest(mac, want) or src in self.socks:
                     raise ConnectionError(f"a connection claiming rank {src} failed its proof")
+            admitted = True
         except (TimeoutError, OSError, struct.error) as exc:
             log.debug("rank %d: refused a mesh connection: %r", me, exc)
-            sock.close()
-            return
-        self._keep(src, sock)
+        finally:
+            if not admitted:
+                sock.close()  # refused, or the mesh formed without it
+        if admitted:
+            self._keep(src, sock)
 
     def _keep(self, rank: int, sock: socket.socket) -> None:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
