@@ -4,7 +4,9 @@
 For all_reduce and all_gather from 4 B to 1 MiB, and barrier: the median
 time over interleaved iterations (the slowest rank's), for gloo, ferrogrpc's
 same-host path (shared memory, the default on one machine) and its gRPC
-path (``FERROGRPC_SHM=0``), each as a ratio to gloo's. Then a bandwidth
+path (``FERROGRPC_SHM=0``: small collectives on the TCP mesh), and that
+path with ``FERROGRPC_DIRECT=0`` (small collectives over gRPC itself), each
+as a ratio to gloo's. Then a bandwidth
 line: a 64 MiB float32 all_reduce over gRPC with ``wire_dtype=bfloat16``
 against float32. Every result is checked whole, untimed: the input is set
 before each call's barrier and checked after its clock stops.
@@ -43,7 +45,10 @@ from typing import Any
 from client.common import collect, fmt_size, measure, parse_size
 from ferrogrpc.testing import free_port, spawn_ranks
 
-IMPLS = ("gloo", "shm", "grpc")
+# gloo; ferrogrpc on one host (shared memory and Unix direct sockets); with
+# one rank per host (FERROGRPC_SHM=0): small collectives on the TCP mesh
+# ("grpc", the default), and over gRPC itself ("grpc0": FERROGRPC_DIRECT=0).
+IMPLS = ("gloo", "shm", "grpc", "grpc0")
 SIZES = ["4", "64", "1K", "16K", "64K", "256K", "1M"]
 WIRE_BYTES = 64 << 20
 _Ops = dict[str, Callable[[], Any]]
@@ -78,6 +83,9 @@ def worker(args: argparse.Namespace) -> None:
         "shm": fg.init_backend(),
         "grpc": fg.init_backend(shm=False, master_port=args.grpc_port),
     }
+    os.environ["FERROGRPC_DIRECT"] = "0"  # read by the next init_backend only
+    backends["grpc0"] = fg.init_backend(shm=False, master_port=args.grpc0_port)
+    del os.environ["FERROGRPC_DIRECT"]
     rows: list[dict[str, Any]] = []
     checks: list[bool] = []
     late = [0]  # calls that began after their agreed start (see clock_start)
@@ -102,7 +110,7 @@ def worker(args: argparse.Namespace) -> None:
     start = clock_start if args.start == "clock" else None
     barriers: _Ops = {}
     if args.start == "own":
-        barriers = {impl: partial(backends[impl].barrier) for impl in ("shm", "grpc")}
+        barriers = {impl: partial(backends[impl].barrier) for impl in IMPLS[1:]}
 
     def ops_for(op: str, size: int) -> tuple[_Ops, _Ops, _Ops]:
         """The timed calls, and what runs untimed before (the input) and
@@ -114,6 +122,7 @@ def worker(args: argparse.Namespace) -> None:
                     "gloo": dist.barrier,
                     "shm": backends["shm"].barrier,
                     "grpc": backends["grpc"].barrier,
+                    "grpc0": backends["grpc0"].barrier,
                 },
                 {},
                 {},
@@ -188,7 +197,8 @@ def report(world: int, per_rank: list[dict[str, Any]], start: str = "own") -> st
     lines = [
         f"# latency, world_size {world}, median of {iters} interleaved iterations "
         f"(time = slowest rank, {START_WORDS[start]}), ms; x = time / gloo's",
-        f"{'op':>10} {'size':>8} {'gloo':>8} | {'shm':>8} {'x':>6} | {'grpc':>8} {'x':>6}",
+        f"{'op':>10} {'size':>8} {'gloo':>8} | {'shm':>8} {'x':>6} | {'grpc':>8} {'x':>6}"
+        f" | {'grpc0':>8} {'x':>6}",
     ]
     for i, row in enumerate(per_rank[0]["rows"]):
         med = {}
@@ -205,6 +215,7 @@ def report(world: int, per_rank: list[dict[str, Any]], start: str = "own") -> st
         lines.append(
             f"{row['op']:>10} {size:>8} {med['gloo']:8.3f} | {med['shm']:8.3f} "
             f"{med['shm'] / med['gloo']:6.2f} | {med['grpc']:8.3f} {med['grpc'] / med['gloo']:6.2f}"
+            f" | {med['grpc0']:8.3f} {med['grpc0'] / med['gloo']:6.2f}"
         )
     if per_rank[0]["wire"]["float32"]:  # else --wire-iters 0
         wire = {}
@@ -249,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gloo-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--grpc-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--grpc0-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if min(args.iters, args.warmup, args.wire_iters) < 0 or args.iters == 0:
         parser.error("--iters must be at least 1; --warmup and --wire-iters at least 0")
@@ -260,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     for world in args.world_sizes:
         cmd = [sys.executable, "-m", "client.bench_latency", "--worker"]
         cmd += ["--gloo-port", str(free_port()), "--grpc-port", str(free_port())]
+        cmd += ["--grpc0-port", str(free_port())]
         cmd += ["--iters", str(args.iters), "--warmup", str(args.warmup)]
         cmd += ["--wire-iters", str(args.wire_iters), "--sizes", *map(str, args.sizes)]
         cmd += ["--start", args.start]

@@ -56,7 +56,8 @@ async def local_group(
     makes the ranks with equal keys one host and the others separate hosts,
     so that the two-level collectives run in one process. Other keyword
     arguments go to :meth:`Peer.start` (``timeouts``, ``chunk_policy``,
-    ``checksum``, ``placement``).
+    ``checksum``, ``placement``, ``direct``: False keeps small collectives
+    between hosts on gRPC instead of the TCP mesh).
     """
     rendezvous = LocalRendezvous(world_size, hosts)
     registry: dict[str, MemoryTransport] = {}

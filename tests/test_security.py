@@ -101,11 +101,14 @@ async def test_corrupted_chunk_is_named_and_reaches_no_tensor(
 
 
 async def test_corrupted_small_message_is_named_and_reaches_no_tensor() -> None:
-    # A small all_reduce is one exchange over the ranks' long-lived links;
-    # its messages carry a checksum like a ring's chunks.
+    # Without the TCP mesh (FERROGRPC_DIRECT=0, TLS, or ports a firewall
+    # closes), a small all_reduce is one exchange over the ranks' long-lived
+    # gRPC links; its messages carry a checksum like a ring's chunks. (The
+    # mesh's own: test_direct_mesh.py.)
     async with fg.testing.local_group(
         3,
         timeouts=FAST,
+        direct=False,
         faults=[Fault(rank=1, kind=FaultKind.CORRUPT_PAYLOAD, nth=0, collective="all_reduce")],
     ) as peers:
         tensors = [torch.full((100,), float(r + 1)) for r in range(3)]

@@ -48,6 +48,7 @@ from typing import Any, Literal, Protocol, TypeVar, overload
 import torch
 
 from ..errors import CollectiveTimeoutError, Evidence, FerroGrpcError, PeerError, ProtocolError
+from ..failure.watchdog import PROBE_S, RECHECK_S, Watchdog
 from ..transport.integrity import Checksum
 from ..transport.wire import bytes_view
 from ..v1 import collective_pb2 as pb
@@ -89,6 +90,9 @@ class DirectSockets(Protocol):
     # How long a rank whose peer's socket ended waits for that peer's last
     # report (the cause it failed with) to land.
     report_wait: float
+    # Whether a wait probes its peers' hosts (between hosts: a vanished host
+    # closes no socket).
+    probes: bool
 
     def direct_sockets(self) -> dict[int, socket.socket]:
         """One connected socket per other rank."""
@@ -122,6 +126,28 @@ def is_direct(desc: pb.Descriptor, itemsize: int) -> bool:
     """Whether a collective runs on the direct sockets (when every rank
     shares this host): every small one (one_exchange.py) but all_to_all."""
     return desc.kind in DIRECT_KINDS and is_small(desc, itemsize, by_part=True)
+
+
+class _Prober:
+    """A direct wait's probes of the peers it waits for: the ring watchdog's
+    rules (Watchdog.probe), run on the loop."""
+
+    def __init__(self, direct: Direct, job: Job, idle: float) -> None:
+        self.direct = direct
+        self.watchdog = Watchdog(direct.me, direct.ctx.transport, idle, job.name, job.seq)
+        self.refused: set[int] = set()
+        self.silent: dict[int, float] = {}
+
+    def reset(self) -> None:
+        self.refused.clear()
+        self.silent.clear()
+
+    def run(self, pending: set[int], probe: float) -> float:
+        """Probe every pending peer once (raise PeerError for one that is
+        gone); return how long until the next probe."""
+        self.watchdog.waiting = {str(r): (r, "a message from") for r in sorted(pending)}
+        self.direct.on_loop(self.watchdog.probe(probe, self.refused, self.silent))
+        return RECHECK_S if self.refused else probe / 4
 
 
 class DeadlinePassedError(Exception):
@@ -197,6 +223,12 @@ class Direct:
         start = progress = time.monotonic()
         wake = plane.wake_r
         first = True
+        # Between hosts, a peer's vanished host closes no socket: after
+        # PROBE_S without a message its host is probed as a ring's
+        # watchdog probes it (failure/watchdog.py).
+        probe = min(PROBE_S, idle) if plane.probes else None
+        prober = _Prober(self, job, idle) if probe is not None else None
+        next_probe = start + probe if probe is not None else float("inf")
         while pending:
             # What has arrived is read before any reason to stop is looked
             # at (a peer that finished and closed has sent all it had to);
@@ -211,8 +243,12 @@ class Direct:
                 self._ping(job, pending, idle)
                 progress = time.monotonic()
                 continue
+            if prober is not None and now >= next_probe:
+                next_probe = time.monotonic() + prober.run(pending, probe or 0.0)
+                now = time.monotonic()
             waits: list[socket.socket] = [self.socks[r] for r in pending - skipped]
             timeout = 0.0 if first else min(idle - (now - progress), deadline_s - (now - start))
+            timeout = max(0.0, min(timeout, next_probe - now))
             first = False
             try:
                 readable, _, _ = select.select([wake, *waits], [], [], timeout)
@@ -238,7 +274,13 @@ class Direct:
                     got[src] = self._accept(job, src, desc, message, expect[src])
                     pending.discard(src)
                     progress = time.monotonic()
-        self.ctx.stats.bytes_local += sum(m.nbytes for m in got.values())
+                    if prober is not None and probe is not None:
+                        prober.reset()  # refusals and silences must be unbroken
+                        next_probe = progress + probe
+        if plane.where:  # on this host
+            self.ctx.stats.bytes_local += sum(m.nbytes for m in got.values())
+        else:
+            self.ctx.stats.bytes_received += sum(m.nbytes for m in got.values())
         return got
 
     # ----------------------------------------------------------- messages
@@ -250,6 +292,8 @@ class Direct:
         head = _HEAD.pack(len(desc) + view.nbytes, job.seq, len(desc), crc) + desc
         sock = self.socks[dst]
         parts = [memoryview(head), view]
+        if not self.plane.where:  # between hosts
+            self.ctx.stats.bytes_sent += view.nbytes
         ended: set[int] = set()  # other peers whose socket ended meanwhile
         try:
             while parts:

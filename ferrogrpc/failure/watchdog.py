@@ -167,7 +167,7 @@ class Watchdog:
                 silent.clear()
                 continue
             if stalled < idle:
-                await self._probe(probe, refused, silent)
+                await self.probe(probe, refused, silent)
                 continue
             for neighbour, what in list(self.waiting.values()):
                 try:
@@ -182,7 +182,7 @@ class Watchdog:
                     ) from None
             self.progress_at = time.monotonic()
 
-    async def _probe(self, timeout: float, refused: set[int], silent: dict[int, float]) -> None:
+    async def probe(self, timeout: float, refused: set[int], silent: dict[int, float]) -> None:
         """Raise PeerError for a waited-for neighbour whose server refused
         two probes in a row, or whose host has given no answer for
         :func:`silence_bound`; an answer, or no answer yet, is left to the

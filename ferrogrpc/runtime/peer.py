@@ -153,6 +153,7 @@ class Peer:
         tls: TLSConfig | None = None,
         token: str | None = None,
         shm: bool | None = None,
+        direct: bool | None = None,
         placement: Callable[[Identity], Placement] | None = None,
         settings: Settings | None = None,
     ) -> Peer:
@@ -169,7 +170,9 @@ class Peer:
         the payload bytes) guards every chunk that crosses gRPC; all ranks
         must agree. ``shm`` (default on; ``FERROGRPC_SHM=0`` turns it off)
         lets ranks that share a host and a network namespace exchange tensor
-        bytes through shared memory (samehost/plane.py).
+        bytes through shared memory (samehost/plane.py). ``direct`` (default
+        on; ``FERROGRPC_DIRECT=0`` turns it off) runs small collectives
+        between ranks that share no memory on the TCP mesh (direct_mesh.py).
         ``placement`` builds how device tensors are staged (tests).
 
         Raises RendezvousError, or CollectiveTimeoutError if the ring does
@@ -182,6 +185,7 @@ class Peer:
             tls=tls,
             token=token,
             shm=shm,
+            direct=direct,
         )
         parts = await join(
             s, rank, world_size, rendezvous, transport, bind_host, port, advertise_host
