@@ -52,6 +52,10 @@ def worker(args: argparse.Namespace) -> int:
     import ferrogrpc as fg
 
     torch.set_num_threads(1)
+    if os.environ.get("FERROGRPC_BENCH_LOG"):  # the epochs' and transfers' timings
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(created).3f %(name)s %(message)s")
     t0 = time.time()
     # Parameters + two Adam moments, float32: 12 bytes per parameter.
     params = args.state_bytes // 12

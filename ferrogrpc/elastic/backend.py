@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import time
 import dataclasses
 import logging
 import threading
@@ -177,9 +178,13 @@ class ElasticBackend:
         rendezvous = EpochRendezvous(self._client, reason, self._epoch, lost)
         s = self._s
 
+        began = time.monotonic()
+        closed_at = [began]
+
         async def run() -> Peer:
             if old is not None:
                 await old.peer.close()
+            closed_at[0] = time.monotonic()
             return await Peer.start(
                 None,
                 None,
@@ -225,12 +230,16 @@ class ElasticBackend:
                 host=str(response.hosts[peer.rank]) if response.hosts else "",
             )
         )
+        now = time.monotonic()
         logger.info(
-            "epoch %d: rank %d of %d (%s)",
+            "epoch %d: rank %d of %d (%s), formed in %.3f s (the last epoch's peer closed "
+            "in %.3f s)",
             self._epoch,
             peer.rank,
             peer.world_size,
             rpb.EnterReason.Name(reason),
+            now - began,
+            closed_at[0] - began,
         )
         return response
 
