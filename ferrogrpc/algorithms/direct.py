@@ -192,25 +192,36 @@ class Direct:
         produced. Raises FerroGrpcError, or DeadlinePassedError."""
         me = self.me
         world = me.world_size
-        outgoing, expect = plan(job, me.rank, world, None)
-        got = self._exchange(job, outgoing, expect)
-        return finish(job, me.rank, world, got, None)
+        # A wire dtype applies to bytes that leave the host (one_exchange.py
+        # rounds alike): on the TCP mesh, not on one host's sockets.
+        wire = None if self.plane.where else job.wire
+        outgoing, expect = plan(job, me.rank, world, wire)
+        got = self._exchange(job, outgoing, expect, wire)
+        return finish(job, me.rank, world, got, wire)
 
     def on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait for it (from another thread)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def _exchange(
-        self, job: Job, outgoing: dict[int, torch.Tensor], expect: dict[int, int]
+        self,
+        job: Job,
+        outgoing: dict[int, torch.Tensor],
+        expect: dict[int, int],
+        wire: torch.dtype | None = None,
     ) -> dict[int, memoryview]:
         plane, seq = self.plane, job.seq
         plane.direct_seq = seq
         desc = job.descriptor.SerializeToString()
         views: dict[int, memoryview] = {}  # by tensor: an all-reduce sends one to all
+        kept: list[torch.Tensor] = []
         for dst, data in outgoing.items():
             view = views.get(id(data))
             if view is None:
-                view = views[id(data)] = bytes_view(data)
+                if wire is not None:
+                    data = data.to(wire)
+                    kept.append(data)  # the view does not hold its tensor
+                view = views[id(outgoing[dst])] = bytes_view(data)
             self._send(job, dst, desc, view)
         got: dict[int, memoryview] = {}
         for src in list(expect):
