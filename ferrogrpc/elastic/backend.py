@@ -19,10 +19,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import time
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
