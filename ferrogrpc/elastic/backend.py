@@ -51,8 +51,13 @@ class GroupState(Protocol):
 
     step: int
 
+    # True while this process lacks part of the group's state (a receipt
+    # still landing, or one that failed).
+    incomplete: bool
+
     def send_to_joiners(self, joined_from: int) -> None: ...
     def receive_from_members(self, joined_from: int) -> int: ...
+    def finish_transfer(self) -> None: ...
     def rejoined(self) -> None: ...
 
 
@@ -282,7 +287,14 @@ class ElasticBackend:
         ):
             lost.append(cause.peer)
         was = self.rank
-        reason = rpb.ENTER_JOIN if removed_me or self._current is None else rpb.ENTER_RECOVER
+        # A process whose receipt of the state failed midway joins again, to
+        # receive it whole.
+        incomplete = self.state is not None and self.state.incomplete
+        reason = (
+            rpb.ENTER_JOIN
+            if removed_me or incomplete or self._current is None
+            else rpb.ENTER_RECOVER
+        )
         try:
             self._enter(reason, lost)
         except QuorumLostError as exc:
@@ -340,6 +352,8 @@ class ElasticBackend:
         received = False
         while True:
             try:
+                if self.state is not None:
+                    self.state.finish_transfer()  # a step without a sync left it running
                 if self._current is None:
                     self._enter(rpb.ENTER_JOIN)
                     received = True
@@ -392,6 +406,10 @@ class ElasticBackend:
         self._phase = 1
         while True:
             try:
+                if self.state is not None:
+                    # The optimizer's part of a transfer lands (a joiner) or
+                    # leaves (a member) before the optimizer may touch it.
+                    self.state.finish_transfer()
                 write = attempt()
                 if self._commit():
                     write()

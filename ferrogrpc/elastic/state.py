@@ -9,10 +9,24 @@ to every joiner, all members at once, as point-to-point messages of the
 epoch's peer: checksummed per part and sent only to an admitted, known peer
 (see p2p.py). Nothing is pickled. A joiner checks the header against its
 own model before it touches anything.
+
+[Note: the state in two parts]
+The stream is two parts, each striped over the members: the model's
+parameters and buffers, then the optimizer's state (Adam's two moments:
+two thirds of the bytes). The members' pause at a boundary that admits a
+joiner lasts until the model's part has landed: then the joiner loads it
+and runs its first forward and backward while the optimizer's part is
+still arriving. Members send that part from their own tensors, unchanged
+until their optimizer's next step; so both sides finish it
+(:meth:`ElasticState.finish_transfer`) when the step's gradient sync
+begins (ElasticBackend.run_sync), and at the next boundary if a step had
+no sync. A joiner whose receipt fails there is *incomplete*: it joins
+again, as a joiner, and receives the whole state anew.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -37,7 +51,7 @@ DATA_TAG = HEADER_TAG + 1
 # PACK_BELOW is packed with its neighbours into one message.
 MESSAGE_BYTES = 32 * 2**20
 PACK_BELOW = 4 * 2**20
-FORMAT = 1
+FORMAT = 2  # 2: the model's part, then the optimizer's, each striped
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -68,6 +82,40 @@ def _dtype_name(dtype: torch.dtype, what: str) -> str:
     if name not in _DTYPES:
         raise ConfigError(f"ElasticState: {what} has dtype {dtype}, which it cannot send")
     return name
+
+
+def _model_count(names: list[str]) -> int:
+    """How many of the stream's tensors (in order) are the model's: the
+    parameters and buffers come first, the optimizer's state after."""
+    return sum(1 for name in names if not name.startswith("optimizer:"))
+
+
+@dataclasses.dataclass
+class _Receiving:
+    """A joiner's receipt of the optimizer's part, still landing."""
+
+    works: list[tuple[Work[Any], list[_Segment], torch.Tensor | None]]
+    stamps: list[concurrent.futures.Future[float]]  # when each landed
+    targets: list[torch.Tensor]
+    header: dict[str, Any]
+    start: float
+    model_done: float  # when the model's part had landed
+    members: int
+
+
+def _land(
+    works: list[tuple[Work[Any], list[_Segment], torch.Tensor | None]],
+    targets: list[torch.Tensor],
+) -> None:
+    """Wait for every receive; copy each packed message into its tensors."""
+    for work, packed, staged in works:
+        work.wait()
+        if staged is not None:
+            offset = 0
+            for seg in packed:
+                n = seg.hi - seg.lo
+                _bytes(targets[seg.tensor])[seg.lo : seg.hi].copy_(staged[offset : offset + n])
+                offset += n
 
 
 def _stripes(total: int, members: int) -> list[tuple[int, int]]:
@@ -168,6 +216,12 @@ class ElasticState:
         # The last state this process received: {"bytes", "seconds",
         # "members"} (for benchmarks and logs); None until then.
         self.last_transfer: dict[str, float] | None = None
+        # What the last transfer left running (send_to_joiners,
+        # receive_from_members; finish_transfer ends it), and whether this
+        # process lacks part of the group's state (a receipt that failed).
+        self._sending: list[Work[Any]] = []
+        self._receiving: _Receiving | None = None
+        self.incomplete = False
         self._groups_json(optimizer.state_dict())  # JSON-able hyperparameters, or ConfigError
         backend.state = self
 
@@ -252,7 +306,10 @@ class ElasticState:
     def send_to_joiners(self, joined_from: int) -> None:
         """On a member of a new epoch: send ranks ``joined_from`` and above
         (the joiners) this process's stripe of the state; rank 0 sends the
-        header too. Blocks until sent."""
+        header too. Blocks until the model's part is sent; the optimizer's
+        part goes on in the background, finished by :meth:`finish_transfer`
+        (the gradient sync calls it) before the optimizer can change it
+        (see [Note: the state in two parts])."""
         backend = self._backend
         rank, world = backend.rank, backend.world_size
         named, optimizer = self._tensors()
@@ -275,32 +332,40 @@ class ElasticState:
             for joiner in range(joined_from, world):
                 works.append(backend.send(length, joiner, HEADER_TAG, async_op=True))
                 works.append(backend.send(body, joiner, HEADER_TAG, async_op=True))
-        sizes = [t.numel() * t.element_size() for t in cpu]
-        lo, hi = _stripes(sum(sizes), joined_from)[rank]
-        for message in _messages(sizes, lo, hi):
-            if len(message) == 1:
-                seg = message[0]
-                data = _bytes(cpu[seg.tensor])[seg.lo : seg.hi]
-            else:
-                data = torch.cat([_bytes(cpu[s.tensor])[s.lo : s.hi] for s in message])
-            for joiner in range(joined_from, world):
-                works.append(backend.send(data, joiner, DATA_TAG, async_op=True))
-        for work in works:
-            work.wait()
+        model = _model_count([name for name, _ in named])
+        sent = 0
+        for part in (range(model), range(model, len(cpu))):
+            tensors = [cpu[i] for i in part]
+            sizes = [t.numel() * t.element_size() for t in tensors]
+            lo, hi = _stripes(sum(sizes), joined_from)[rank]
+            sent += hi - lo
+            for message in _messages(sizes, lo, hi):
+                if len(message) == 1:
+                    seg = message[0]
+                    data = _bytes(tensors[seg.tensor])[seg.lo : seg.hi]
+                else:
+                    data = torch.cat([_bytes(tensors[s.tensor])[s.lo : s.hi] for s in message])
+                for joiner in range(joined_from, world):
+                    works.append(backend.send(data, joiner, DATA_TAG, async_op=True))
+            if part.start == 0:
+                for work in works:
+                    work.wait()
+                works = []
+        self._sending = works
+        total = sum(t.numel() * t.element_size() for t in cpu)
         logger.info(
-            "sent %d of %d state bytes to ranks %d..%d",
-            hi - lo,
-            sum(sizes),
-            joined_from,
-            world - 1,
+            "sending %d of %d state bytes to ranks %d..%d", sent, total, joined_from, world - 1
         )
 
     def receive_from_members(self, joined_from: int) -> int:
         """On a joiner: receive the state from members ``0 .. joined_from -
-        1`` (the header from rank 0), check it against this process's model
-        and optimizer, and load it. Returns the group's step index."""
+        1`` (the header from rank 0), check it against this process's model,
+        and load the model's part. Returns the group's step index. The
+        optimizer's part arrives in the background; :meth:`finish_transfer`
+        loads it."""
         backend = self._backend
         start = time.perf_counter()
+        self.incomplete = True
         length = torch.zeros(1, dtype=torch.int64)
         backend.recv(length, 0, HEADER_TAG)
         body = torch.empty(int(length.item()), dtype=torch.uint8)
@@ -313,32 +378,68 @@ class ElasticState:
             )
         specs = [(str(n), _DTYPES[d], torch.Size(s)) for n, d, s in header["tensors"]]
         targets = self._targets(specs)
-        sizes = [t.numel() * t.element_size() for t in targets]
+        model = _model_count([name for name, _, _ in specs])
+        self._check_optimizer(header)
+        _land(self._receive_part(targets, range(model), joined_from), targets)
+        model_done = time.perf_counter()
+        index = {name: i for i, (name, _, _) in enumerate(specs)}
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                self._copy_into(p, f"param:{name}", index, targets)
+            for name, b in self.model.named_buffers():
+                self._copy_into(b, f"buffer:{name}", index, targets)
+        for p in self.model.parameters():
+            p.grad = None
+        rest = self._receive_part(targets, range(model, len(targets)), joined_from)
+        stamps = [work.when_done() for work, _, _ in rest]
+        self._receiving = _Receiving(rest, stamps, targets, header, start, model_done, joined_from)
+        return int(header["step"])
+
+    def _receive_part(
+        self, targets: list[torch.Tensor], part: range, joined_from: int
+    ) -> list[tuple[Work[Any], list[_Segment], torch.Tensor | None]]:
+        """Post the receives of the tensors ``part`` of ``targets`` (each
+        member's stripe of them); return the works, with where a packed
+        message's bytes go."""
+        backend = self._backend
+        tensors = [targets[i] for i in part]
+        sizes = [t.numel() * t.element_size() for t in tensors]
         works: list[tuple[Work[Any], list[_Segment], torch.Tensor | None]] = []
         for member, (lo, hi) in enumerate(_stripes(sum(sizes), joined_from)):
             for message in _messages(sizes, lo, hi):
                 if len(message) == 1:
                     seg = message[0]
-                    into = _bytes(targets[seg.tensor])[seg.lo : seg.hi]
+                    into = _bytes(tensors[seg.tensor])[seg.lo : seg.hi]
                     works.append((backend.recv(into, member, DATA_TAG, async_op=True), [], None))
                 else:
-                    buf = torch.empty(sum(s.hi - s.lo for s in message), dtype=torch.uint8)
-                    works.append((backend.recv(buf, member, DATA_TAG, async_op=True), message, buf))
-        for work, packed, staged in works:
+                    packed = [dataclasses.replace(g, tensor=part[g.tensor]) for g in message]
+                    buf = torch.empty(sum(g.hi - g.lo for g in message), dtype=torch.uint8)
+                    works.append((backend.recv(buf, member, DATA_TAG, async_op=True), packed, buf))
+        return works
+
+    def finish_transfer(self) -> None:
+        """Finish what the last state transfer left running: on a member,
+        the optimizer's part still being sent; on a joiner, its receipt,
+        loaded into the optimizer. Raises FerroGrpcError if it failed (a
+        joiner is then :attr:`incomplete`, and must receive it again)."""
+        sending, self._sending = self._sending, []
+        receiving, self._receiving = self._receiving, None
+        for work in sending:
             work.wait()
-            if staged is not None:
-                offset = 0
-                for seg in packed:
-                    n = seg.hi - seg.lo
-                    _bytes(targets[seg.tensor])[seg.lo : seg.hi].copy_(staged[offset : offset + n])
-                    offset += n
-        self._load(specs, targets, header)
-        seconds = time.perf_counter() - start
-        self.last_transfer = {"bytes": sum(sizes), "seconds": seconds, "members": joined_from}
+        if receiving is None:
+            return
+        _land(receiving.works, receiving.targets)
+        done = max([receiving.model_done, *(t.result() for t in receiving.stamps)])
+        self._load_optimizer(receiving.targets, receiving.header)
+        self.incomplete = False
+        # The transfer's time: until its last byte landed (not until this
+        # call, which comes after the joiner's first backward).
+        seconds = done - receiving.start
+        nbytes = sum(t.numel() * t.element_size() for t in receiving.targets)
+        self.last_transfer = {"bytes": nbytes, "seconds": seconds, "members": receiving.members}
         logger.info(
-            "received %d state bytes from %d members in %.3fs", sum(sizes), joined_from, seconds
+            "received %d state bytes from %d members in %.3fs", nbytes, receiving.members, seconds
         )
-        return int(header["step"])
 
     def _targets(self, specs: list[tuple[str, torch.dtype, torch.Size]]) -> list[torch.Tensor]:
         """Where each tensor of the stream lands: this process's parameters
@@ -379,20 +480,8 @@ class ElasticState:
             targets.append(torch.empty(shape, dtype=dtype))
         return targets
 
-    def _load(
-        self,
-        specs: list[tuple[str, torch.dtype, torch.Size]],
-        targets: list[torch.Tensor],
-        header: dict[str, Any],
-    ) -> None:
-        index = {name: i for i, (name, _, _) in enumerate(specs)}
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                self._copy_into(p, f"param:{name}", index, targets)
-            for name, b in self.model.named_buffers():
-                self._copy_into(b, f"buffer:{name}", index, targets)
-        optimizer = header["optimizer"]
-        groups = optimizer["param_groups"]
+    def _check_optimizer(self, header: dict[str, Any]) -> None:
+        groups = header["optimizer"]["param_groups"]
         own_groups = self.optimizer.state_dict()["param_groups"]
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in own_groups]:
             raise ConfigError(
@@ -400,6 +489,10 @@ class ElasticState:
                 f"{[len(g['params']) for g in own_groups]}, the group's "
                 f"{[len(g['params']) for g in groups]}"
             )
+
+    def _load_optimizer(self, targets: list[torch.Tensor], header: dict[str, Any]) -> None:
+        optimizer = header["optimizer"]
+        groups = optimizer["param_groups"]
         state: dict[int, dict[str, Any]] = {}
         for key, entry in optimizer["state"].items():
             out: dict[str, Any] = {}
@@ -411,8 +504,6 @@ class ElasticState:
             state[int(key)] = out
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
         self.extra = header["extra"]
-        for p in self.model.parameters():
-            p.grad = None
 
     @staticmethod
     def _copy_into(

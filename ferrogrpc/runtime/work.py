@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from typing import Generic, TypeVar
 
 import torch
@@ -54,6 +55,13 @@ class Work(Generic[T]):
 
     def is_completed(self) -> bool:
         return self._future.done()
+
+    def when_done(self) -> concurrent.futures.Future[float]:
+        """A future of the ``time.perf_counter()`` at which this finished
+        (however it finished)."""
+        stamp: concurrent.futures.Future[float] = concurrent.futures.Future()
+        self._future.add_done_callback(lambda _: stamp.set_result(time.perf_counter()))
+        return stamp
 
     def get_future(self) -> torch.futures.Future[T]:
         """A ``torch.futures.Future`` completed with the result (or the
