@@ -123,6 +123,28 @@ LAYOUTS = {"2x2": [2, 2]}
 
 
 @pytest.mark.timeout(240)
+def _single_process_checksums(steps: int) -> list[float]:
+    """client.train's run (its defaults, as the compose file's command
+    leaves them) in one process on each step's whole batch: the sum of the
+    parameters after each step."""
+    import torch
+    from torch import nn
+
+    from client.train import build_model, global_batch, make_optimizer
+
+    model = build_model(64, 0)
+    opt = make_optimizer(model.parameters(), 0.01)
+    out = []
+    for step in range(steps):
+        x, y = global_batch(step, 48, 0)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        with torch.no_grad():
+            out.append(float(sum(p.double().sum() for p in model.parameters())))
+    return out
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_compose_services_train_across_network_namespaces(layout: str) -> None:
     assert os.geteuid() == 0, "the multi-host test needs root for ip netns (CI runs as root)"
@@ -214,9 +236,17 @@ def test_compose_services_train_across_network_namespaces(layout: str) -> None:
     # Ranks in different namespaces are different hosts: gRPC between them,
     # shared memory only inside a namespace.
     assert paths == {"two-level" if sharing else "grpc"}, paths
+    reference = _single_process_checksums(8)
     for step in range(8):
         values = {checksums[r][step] for r in range(world)}
         assert len(values) == 1, f"ranks disagree at step {step}: {values}"
+        # The same training in one process, on the whole batch.
+        got = values.pop()
+        assert abs(got - reference[step]) <= 1e-6 * max(1.0, abs(reference[step])), (
+            step,
+            got,
+            reference[step],
+        )
 
     # Bytes that crossed hosts: each namespace's own interface counters,
     # over all_reduces of a known size. A ring of H hosts sends 2(H-1)/H of
