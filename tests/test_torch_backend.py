@@ -129,7 +129,7 @@ def test_a_misused_op_is_refused_on_every_rank_at_once_and_nothing_misaligns() -
     outputs = run_ranks("torch_misuse.py", 3, timeout=100)
     cases = ["scatter", "all_gather", "all_gather_length", "gather", "reduce_scatter"]
     for rank, out in enumerate(outputs):
-        for case in [*cases, "all_to_all", "work"]:
+        for case in [*cases, "all_to_all", "work", "monitored_barrier"]:
             assert f"OK {case}" in out, (rank, case, out)
         assert "DONE" in out, (rank, out)
 

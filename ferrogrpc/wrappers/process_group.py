@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import time
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -45,12 +46,15 @@ from torch._C._distributed_c10d import Work as _TorchWork
 
 from ..control.rendezvous import Activity, RendezvousResult, exchange_through_store, table_result
 from ..env import MASTER_ADDR_ENV, Settings
-from ..errors import ConfigError, FerroGrpcError, RendezvousError
+from ..errors import CollectiveTimeoutError, ConfigError, FerroGrpcError, RendezvousError
 from ..runtime.backend import Backend, start_backend
 from ..runtime.call import Call
 from ..runtime.work import Work
 
 NAME = "ferrogrpc"
+# monitored_barrier's point-to-point tag (users' tags are best kept below it).
+MONITOR_TAG = 0xFE57B000
+
 T = TypeVar("T")
 _INIT_KEYS = {
     "timeouts",
@@ -519,9 +523,63 @@ class FerroProcessGroup(dist.ProcessGroup):
         return self._now_or_run("barrier", self.backend.peer.barrier(), None)
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
-        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None
-        work = self.backend.barrier(async_op=True)
-        work.wait(seconds)
+        """gloo's monitored barrier: every other rank reports to rank 0 and
+        waits for its answer, on point-to-point messages with a tag of their
+        own. Rank 0 raises CollectiveTimeoutError naming the first rank (with
+        ``wait_all_ranks``: every rank) that did not report within
+        ``timeout`` (default: the collective timeout); another rank raises it
+        naming rank 0 when no answer comes in time. After it raised, a late
+        rank's report is still taken by the barrier that gave up on it: as
+        with gloo, the group should be torn down."""
+        seconds = (
+            timeout.total_seconds()
+            if isinstance(timeout, datetime.timedelta)
+            else self.backend.peer._ctx.timeouts.collective
+        )
+        backend, me = self.backend, self.backend.peer._me
+        deadline = time.monotonic() + seconds
+        token = torch.zeros(1, dtype=torch.uint8)
+        if backend.rank != 0:
+            sent = backend.send(token, 0, MONITOR_TAG, async_op=True)
+            answer = backend.recv(torch.zeros(1, dtype=torch.uint8), 0, MONITOR_TAG, async_op=True)
+            assert isinstance(sent, Work) and isinstance(answer, Work)
+            try:
+                sent.wait(max(0.0, deadline - time.monotonic()))
+                answer.wait(max(0.0, deadline - time.monotonic()))
+            except CollectiveTimeoutError:
+                raise me.error(
+                    CollectiveTimeoutError,
+                    f"rank 0 did not answer monitored_barrier within {seconds:g}s (it waits "
+                    "for every rank's report: another rank is late, or rank 0 is)",
+                    op="monitored_barrier",
+                    peer=0,
+                ) from None
+            return
+        reports = {
+            r: backend.recv(torch.zeros(1, dtype=torch.uint8), r, MONITOR_TAG, async_op=True)
+            for r in range(1, backend.world_size)
+        }
+        missing: list[int] = []
+        for r, work in reports.items():
+            assert isinstance(work, Work)
+            try:
+                work.wait(max(0.0, deadline - time.monotonic()))
+            except CollectiveTimeoutError:
+                missing.append(r)
+                if not wait_all_ranks:
+                    break
+        if missing:
+            which = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}"
+            raise me.error(
+                CollectiveTimeoutError,
+                f"{which} did not reach monitored_barrier within {seconds:g}s",
+                op="monitored_barrier",
+                peer=missing[0],
+            )
+        for r in reports:
+            answered = backend.send(token, r, MONITOR_TAG, async_op=True)
+            assert isinstance(answered, Work)
+            answered.wait(max(0.0, deadline - time.monotonic()) or None)
 
     # ---------------------------------------------------- point to point
 

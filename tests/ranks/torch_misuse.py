@@ -10,6 +10,7 @@ which gloo starts and then waits in. Prints ``OK <case>`` lines and
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import sys
 import time
@@ -120,6 +121,25 @@ def main() -> None:
     dist.broadcast(t, src=0)
     assert t.tolist() == [0.0, 0.0, 0.0]
     sys.stdout.write("OK work\n")
+    # monitored_barrier with the last rank late: rank 0 names it in time,
+    # the others name rank 0, whose answer never came (as gloo's does).
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=5))  # all present
+    timeout = 1.0
+    if rank == world - 1:
+        time.sleep(timeout + 1.0)
+    else:
+        start = time.monotonic()
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout))
+        except fg.CollectiveTimeoutError as exc:
+            took = time.monotonic() - start
+            assert timeout <= took < timeout + 1.0, took
+            culprit = world - 1 if rank == 0 else 0
+            assert exc.peer == culprit and f"rank {culprit}" in str(exc), str(exc)
+        else:
+            raise AssertionError("monitored_barrier returned with a rank absent")
+    sys.stdout.write("OK monitored_barrier\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
     sys.stdout.write("DONE\n")
 
