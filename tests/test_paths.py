@@ -151,3 +151,40 @@ async def test_a_root_that_runs_ahead_never_reuses_a_slot_still_being_read(
         chunk_policy=CHUNKS,
     ) as peers:
         await check_broadcast(peers, (PART,), torch.float32, world - 1, seed=3)
+
+
+async def _broadcast_with_a_late_rank(
+    peers: list[fg.Peer], root: int, late: int
+) -> tuple[list[torch.Tensor], dict[int, float], float]:
+    """Every rank broadcasts from ``root``, ``late`` 0.3 s after the others:
+    the tensors, when each rank returned, and when the late one called."""
+    loop = asyncio.get_running_loop()
+    tensors = [torch.full((SMALL_BYTES // 4 + 1000,), float(r)) for r in range(3)]
+    start = loop.time()
+    returned: dict[int, float] = {}
+    called: list[float] = []
+
+    async def call(r: int) -> None:
+        if r == late:
+            await asyncio.sleep(0.3)
+            called.append(loop.time() - start)
+        await peers[r].broadcast(tensors[r], root=root)
+        returned[r] = loop.time() - start
+
+    await asyncio.gather(*(call(r) for r in range(3)))
+    return tensors, returned, called[0]
+
+
+@pytest.mark.parametrize("root", [0, 2])
+async def test_a_broadcast_root_returns_only_once_the_last_rank_has_the_data(root: int) -> None:
+    # A chain broadcast just above the small bound, each non-root rank in
+    # turn calling 0.3 s late: no rank, the root included, returns before
+    # the late one has even called (so before it has the data), and every
+    # rank ends with the root's values.
+    chunks = fg.ChunkPolicy(chunk_bytes=128 << 10, max_lanes=1)
+    async with fg.testing.local_group(3, chunk_policy=chunks) as peers:
+        for late in [r for r in range(3) if r != root]:
+            tensors, returned, called = await _broadcast_with_a_late_rank(peers, root, late)
+            for r in range(3):
+                assert returned[r] >= called, (root, late, r, returned, called)
+                assert bool((tensors[r] == float(root)).all()), (root, late, r)
