@@ -174,9 +174,20 @@ def test_async_and_blocking_direct_calls_keep_call_order() -> None:
             b.close()
 
 
-@pytest.mark.parametrize("shm", [True, False], ids=["same-host", "tcp-mesh"])
-@pytest.mark.parametrize("late", [False, True], ids=["together", "rank-0-late"])
-@pytest.mark.parametrize("other", [40_000, 1 << 20])
+@pytest.mark.parametrize(
+    ("other", "late", "shm"),
+    [
+        pytest.param(other, late, True, id=f"{other}-{'late' if late else 'together'}-same-host")
+        for other in (40_000, 1 << 20)
+        for late in (False, True)
+    ]
+    # Between hosts (the TCP mesh): a disagreeing direct message, and a ring
+    # over gRPC whose stream is already there.
+    + [
+        pytest.param(40_000, False, False, id="40000-together-tcp-mesh"),
+        pytest.param(1 << 20, True, False, id="1048576-late-tcp-mesh"),
+    ],
+)
 def test_a_size_across_the_threshold_is_a_protocol_error_on_both_ranks(
     other: int, late: bool, shm: bool
 ) -> None:
