@@ -159,7 +159,20 @@ def collectives(rank: int, world: int, gloo: dist.ProcessGroup) -> None:
     for w in works:
         w.wait()
     same(again, expect, "isend/irecv")
-    ok("send recv isend irecv batch_isend_irecv")
+    # A receive from any source (dist.recv without src, recv_anysource):
+    # rank 0 takes one message from each other rank, in whatever order they
+    # come, and learns each sender from the call, as with gloo.
+    if rank == 0:
+        senders = []
+        for _ in range(world - 1):
+            box = torch.empty(2, dtype=torch.float64)
+            sender = dist.recv(box, tag=9)
+            same(box, torch.full((2,), float(sender), dtype=torch.float64), "recv from any")
+            senders.append(sender)
+        assert sorted(senders) == list(range(1, world)), senders
+    else:
+        dist.send(torch.full((2,), float(rank), dtype=torch.float64), 0, tag=9)
+    ok("send recv isend irecv batch_isend_irecv recv_anysource")
 
     dist.barrier()
     dist.monitored_barrier()
