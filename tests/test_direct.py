@@ -309,8 +309,8 @@ def test_a_peer_that_finished_and_closed_has_sent_all_it_had_to() -> None:
     send = direct._send
     closed: list[int] = []
 
-    def slow_send(job: Any, dst: int, desc: bytes, view: memoryview) -> None:
-        send(job, dst, desc, view)
+    def slow_send(job: Any, dst: int, desc: bytes, view: memoryview, crc: int) -> None:
+        send(job, dst, desc, view, crc)
         if dst == 2:  # the last one: rank 1 reads only once the others closed
             wait_until(lambda: len(closed) == 2, 20, "ranks 0 and 2 closed")
 

@@ -90,9 +90,10 @@ class DirectSockets(Protocol):
     # How long a rank whose peer's socket ended waits for that peer's last
     # report (the cause it failed with) to land.
     report_wait: float
-    # Whether a wait probes its peers' hosts (between hosts: a vanished host
-    # closes no socket).
-    probes: bool
+    # Whether the sockets cross hosts (the TCP mesh): a wire dtype applies,
+    # bytes count as sent and received (not local), and a wait probes its
+    # peers' hosts (a vanished host closes no socket).
+    between_hosts: bool
 
     def direct_sockets(self) -> dict[int, socket.socket]:
         """One connected socket per other rank."""
@@ -135,6 +136,8 @@ class _Prober:
     def __init__(self, direct: Direct, job: Job, idle: float) -> None:
         self.direct = direct
         self.watchdog = Watchdog(direct.me, direct.ctx.transport, idle, job.name, job.seq)
+        # The first probe comes this long after the last progress.
+        self.after = min(PROBE_S, idle)
         self.refused: set[int] = set()
         self.silent: dict[int, float] = {}
 
@@ -142,12 +145,12 @@ class _Prober:
         self.refused.clear()
         self.silent.clear()
 
-    def run(self, pending: set[int], probe: float) -> float:
+    def run(self, pending: set[int]) -> float:
         """Probe every pending peer once (raise PeerError for one that is
         gone); return how long until the next probe."""
         self.watchdog.waiting = {str(r): (r, "a message from") for r in sorted(pending)}
-        self.direct.on_loop(self.watchdog.probe(probe, self.refused, self.silent))
-        return RECHECK_S if self.refused else probe / 4
+        self.direct.on_loop(self.watchdog.probe(self.after, self.refused, self.silent))
+        return RECHECK_S if self.refused else self.after / 4
 
 
 class DeadlinePassedError(Exception):
@@ -194,7 +197,7 @@ class Direct:
         world = me.world_size
         # A wire dtype applies to bytes that leave the host (one_exchange.py
         # rounds alike): on the TCP mesh, not on one host's sockets.
-        wire = None if self.plane.where else job.wire
+        wire = job.wire if self.plane.between_hosts else None
         outgoing, expect = plan(job, me.rank, world, wire)
         got = self._exchange(job, outgoing, expect, wire)
         return finish(job, me.rank, world, got, wire)
@@ -213,16 +216,21 @@ class Direct:
         plane, seq = self.plane, job.seq
         plane.direct_seq = seq
         desc = job.descriptor.SerializeToString()
-        views: dict[int, memoryview] = {}  # by tensor: an all-reduce sends one to all
+        # By tensor (an all-reduce sends one to all): its bytes, as sent,
+        # and their checksum (0: none); and what holds narrowed copies.
+        views: dict[int, tuple[memoryview, int]] = {}
         kept: list[torch.Tensor] = []
         for dst, data in outgoing.items():
-            view = views.get(id(data))
-            if view is None:
+            sent = views.get(id(data))
+            if sent is None:
+                key = id(data)
                 if wire is not None:
                     data = data.to(wire)
                     kept.append(data)  # the view does not hold its tensor
-                view = views[id(outgoing[dst])] = bytes_view(data)
-            self._send(job, dst, desc, view)
+                view = bytes_view(data)
+                crc = self._checksum(view) if self._checksum is not None else 0
+                sent = views[key] = (view, crc)
+            self._send(job, dst, desc, *sent)
         got: dict[int, memoryview] = {}
         for src in list(expect):
             early = self._early.pop((src, seq), None)
@@ -237,9 +245,8 @@ class Direct:
         # Between hosts, a peer's vanished host closes no socket: after
         # PROBE_S without a message its host is probed as a ring's
         # watchdog probes it (failure/watchdog.py).
-        probe = min(PROBE_S, idle) if plane.probes else None
-        prober = _Prober(self, job, idle) if probe is not None else None
-        next_probe = start + probe if probe is not None else float("inf")
+        prober = _Prober(self, job, idle) if plane.between_hosts else None
+        next_probe = start + prober.after if prober is not None else float("inf")
         while pending:
             # What has arrived is read before any reason to stop is looked
             # at (a peer that finished and closed has sent all it had to);
@@ -255,7 +262,7 @@ class Direct:
                 progress = time.monotonic()
                 continue
             if prober is not None and now >= next_probe:
-                next_probe = time.monotonic() + prober.run(pending, probe or 0.0)
+                next_probe = time.monotonic() + prober.run(pending)
                 now = time.monotonic()
             waits: list[socket.socket] = [self.socks[r] for r in pending - skipped]
             timeout = 0.0 if first else min(idle - (now - progress), deadline_s - (now - start))
@@ -285,25 +292,24 @@ class Direct:
                     got[src] = self._accept(job, src, desc, message, expect[src])
                     pending.discard(src)
                     progress = time.monotonic()
-                    if prober is not None and probe is not None:
+                    if prober is not None:
                         prober.reset()  # refusals and silences must be unbroken
-                        next_probe = progress + probe
-        if plane.where:  # on this host
-            self.ctx.stats.bytes_local += sum(m.nbytes for m in got.values())
-        else:
+                        next_probe = progress + prober.after
+        if plane.between_hosts:
             self.ctx.stats.bytes_received += sum(m.nbytes for m in got.values())
+        else:
+            self.ctx.stats.bytes_local += sum(m.nbytes for m in got.values())
         return got
 
     # ----------------------------------------------------------- messages
 
-    def _send(self, job: Job, dst: int, desc: bytes, view: memoryview) -> None:
-        """Send one message to ``dst`` (a peer that takes none of it for
-        the idle timeout is stuck)."""
-        crc = self._checksum(view) if self._checksum is not None else 0
+    def _send(self, job: Job, dst: int, desc: bytes, view: memoryview, crc: int) -> None:
+        """Send one message (``view``, whose checksum is ``crc``) to ``dst``
+        (a peer that takes none of it for the idle timeout is stuck)."""
         head = _HEAD.pack(len(desc) + view.nbytes, job.seq, len(desc), crc) + desc
         sock = self.socks[dst]
         parts = [memoryview(head), view]
-        if not self.plane.where:  # between hosts
+        if self.plane.between_hosts:
             self.ctx.stats.bytes_sent += view.nbytes
         ended: set[int] = set()  # other peers whose socket ended meanwhile
         try:

@@ -263,8 +263,7 @@ class TcpMesh:
     # A peer that fails sends its abort over gRPC before it closes these
     # sockets (Peer._shutdown drains aborts first): a short wait lets it land.
     report_wait = 0.1
-    # A vanished host closes no socket: waits probe the peers' hosts.
-    probes = True
+    between_hosts = True  # a vanished host closes no socket: waits probe
 
     def direct_sockets(self) -> dict[int, socket.socket]:
         return dict(self.socks)

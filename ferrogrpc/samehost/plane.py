@@ -474,7 +474,7 @@ class LocalPlane:
     # How long a direct wait whose peer's socket ended waits for that peer's
     # report (its abort travels on the signal socket).
     report_wait = 1.0
-    probes = False  # a process that ends closes its sockets; the host is this one
+    between_hosts = False  # a process that ends closes its sockets
     checksum: Checksum | None = None  # bytes that never leave the host's memory
 
     def direct_sockets(self) -> dict[int, socket.socket]:
