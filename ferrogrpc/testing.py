@@ -166,7 +166,7 @@ class Fault:
         def apply(dst: int, message: bytes) -> bytes:
             header, payload = decode(message)
             if payload.nbytes == 0:
-                return message  # a stream's opening, a link's hello, an abort
+                return message  # a stream's opening or end marker, a link's hello, an abort
             if self.collective is not None and kind_name(header.kind) != self.collective:
                 return message
             index = seen[0]

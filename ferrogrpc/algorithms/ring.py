@@ -182,12 +182,17 @@ class LaneRunner:
             await self._write(stream, message, item.step)
             stats.bytes_sent += (item.hi - item.lo) * self.wire_itemsize
         # End the stream only once everything this rank receives has arrived
-        # and passed its checks: the right neighbour's collective then cannot
-        # finish before this rank's has all its data. (For a broadcast this
-        # is what makes the root's call return only when the last rank has
-        # the data.)
+        # and passed its checks, with an explicit end marker: the right
+        # neighbour's collective then cannot finish before this rank's has
+        # all its data. (For a broadcast this is what makes the root's call
+        # return only when the last rank has the data.) The marker, not the
+        # transport's end of stream, is the proof: gRPC can report a
+        # cancelled stream to its reader as a clean end.
         if self.received.value < len(self.plan.recvs):
             await self.received.wait_for(len(self.plan.recvs))
+        end = self._header()
+        end.end = True
+        await self._write(stream, wire.encode(end), len(self.plan.sends))
         await self.watch.wait(
             "send", self.right, "the end of the stream to be read by", stream.close()
         )
@@ -318,6 +323,7 @@ class LaneRunner:
             or header.offset != item.lo
             or header.lane != self.lane
             or payload.nbytes != nbytes
+            or header.end
         ):
             raise self._error(
                 ProtocolError,
@@ -341,10 +347,17 @@ class LaneRunner:
             )
 
     def _ended_early(self, index: int) -> FerroGrpcError:
+        total = len(self.plan.recvs)
+        what = (
+            f"after all {total} chunks but without its end marker (it had not received "
+            "everything it needed)"
+            if index == total
+            else f"after {index} of {total} chunks"
+        )
         return self.ctx.identity.error(
             PeerError,
             f"rank {self.left} ({self.ctx.identity.address_of(self.left)}) ended its stream "
-            f"after {index} of {len(self.plan.recvs)} chunks; it failed or exited",
+            f"{what}; it failed or exited",
             op=self.job.name,
             seq=self.job.seq,
             peer=self.left,
@@ -422,9 +435,15 @@ class LaneRunner:
                 stage.final(item.lo, item.hi)
             stats.bytes_received += nbytes
             self.received.advance()
+        # The left neighbour's end marker: it has everything it receives.
+        # Without it (a bare end of stream) it failed, even if every chunk
+        # this rank needed arrived; succeeding here would let this rank
+        # finish a collective its neighbour did not.
         tail = await self._read(stream, "the end of the stream")
-        if tail is not None:
-            self._decode(tail)  # an abort in band raises its report
+        if tail is None:
+            raise self._ended_early(len(self.plan.recvs))
+        header, payload = self._decode(tail)  # an abort in band raises its report
+        if not header.end or payload.nbytes or header.seq != job.seq:
             raise self._error(
                 ProtocolError,
                 f"rank {self.left} sent more chunks than the schedule allows "

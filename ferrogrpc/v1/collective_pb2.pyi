@@ -108,7 +108,7 @@ class Descriptor(_message.Message):
     def __init__(self, kind: _Optional[_Union[CollectiveKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., root: _Optional[int] = ..., world_size: _Optional[int] = ..., lanes: _Optional[int] = ..., chunk_elems: _Optional[int] = ..., checksum: _Optional[_Union[ChecksumKind, str]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("group", "seq", "kind", "step", "src_rank", "chunk_index", "lane", "offset", "checksum", "has_checksum", "descriptor", "nonce", "abort")
+    __slots__ = ("group", "seq", "kind", "step", "src_rank", "chunk_index", "lane", "offset", "checksum", "has_checksum", "descriptor", "nonce", "abort", "end")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class ChunkHeader(_message.Message):
     DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
     group: int
     seq: int
     kind: CollectiveKind
@@ -135,7 +136,8 @@ class ChunkHeader(_message.Message):
     descriptor: Descriptor
     nonce: str
     abort: Abort
-    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[CollectiveKind, str]] = ..., step: _Optional[int] = ..., src_rank: _Optional[int] = ..., chunk_index: _Optional[int] = ..., lane: _Optional[int] = ..., offset: _Optional[int] = ..., checksum: _Optional[int] = ..., has_checksum: _Optional[bool] = ..., descriptor: _Optional[_Union[Descriptor, _Mapping]] = ..., nonce: _Optional[str] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ...) -> None: ...
+    end: bool
+    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[CollectiveKind, str]] = ..., step: _Optional[int] = ..., src_rank: _Optional[int] = ..., chunk_index: _Optional[int] = ..., lane: _Optional[int] = ..., offset: _Optional[int] = ..., checksum: _Optional[int] = ..., has_checksum: _Optional[bool] = ..., descriptor: _Optional[_Union[Descriptor, _Mapping]] = ..., nonce: _Optional[str] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., end: _Optional[bool] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "payload", "pad")
