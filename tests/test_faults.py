@@ -5,6 +5,7 @@ with the original cause and closes cleanly. Plus: a failed DDP sync leaves
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import gc
 import json
@@ -444,6 +445,38 @@ async def test_gone_neighbour_is_named_long_before_the_idle_timeout(
     assert "rank 1" in str(info.value), info.value
     if numel > 1000:
         assert "gone" in str(info.value), info.value
+    assert elapsed < 10, elapsed
+
+
+@pytest.mark.timeout(60)
+async def test_a_rank_gone_after_taking_its_message_is_named_while_another_is_late(
+    report: Callable[[str], None],
+) -> None:
+    # A small collective over gRPC links (the TCP mesh off): rank 2 sends to
+    # ranks 0 and 1, then takes their messages in turn. Rank 1 takes rank
+    # 2's message and then closes (its process exits, say); rank 0 is alive
+    # and never calls. While rank 2 waits for rank 0, the probes must cover
+    # rank 1 too and name it, long before the 60 s idle timeout. (The race
+    # issue 33 names: rank 2's send sometimes beat the news of rank 1's
+    # close, and then only rank 0, which answers, was probed.)
+    timeouts = fg.Timeouts(collective=120, idle=60, connect=20)
+    async with fg.testing.local_group(3, timeouts=timeouts, direct=False) as peers:
+        call = asyncio.ensure_future(peers[2].all_reduce(torch.ones(1000)))
+        await asyncio.sleep(0)
+        key = (peers[1]._ctx.group, fg.testing.last_seq(peers[2]), 0, 2)
+        # Where rank 1's intake delivers it (the mailbox made here if first).
+        box = peers[1]._ctx.mailboxes.get(key)
+        async with asyncio.timeout(5):  # "rank 2's message never reached rank 1"
+            await asyncio.shield(box.arrived)
+        await peers[1].close()
+        start = time.monotonic()
+        with pytest.raises(fg.PeerError) as info:
+            async with asyncio.timeout(15):
+                await call
+        elapsed = time.monotonic() - start
+    report(f"rank gone after taking its message, another late: named after {elapsed:.2f}s")
+    assert info.value.peer == 1, info.value
+    assert "rank 1" in str(info.value), info.value
     assert elapsed < 10, elapsed
 
 

@@ -161,8 +161,13 @@ class SmallRunner:
             # receive: every rank's intake reads its links as they arrive.
             for dst, data in outgoing.items():
                 await self._send(dst, data)
-            for src in outgoing:
-                got[src] = await self._receive(src, expect[src])
+            # All the senders are probed while any is awaited: a rank gone
+            # (whose link took this rank's message before it noticed) is
+            # named while an earlier rank is only late.
+            what = f"{self.job.name}#{self.job.seq} from"
+            with self.watch.awaiting({f"r{src}": (src, what) for src in outgoing}):
+                for src in outgoing:
+                    got[src] = await self._receive(src, expect[src])
             return got
 
         async def receive(src: int) -> None:

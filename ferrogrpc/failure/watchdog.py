@@ -21,8 +21,9 @@ anything last completed. The watchdog task itself costs nothing per chunk:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Awaitable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 from ..errors import CollectiveTimeoutError, Evidence, FerroGrpcError, Identity, PeerError
@@ -135,6 +136,21 @@ class Watchdog:
             self.waiting.pop(side, None)
         self.progress_at = time.monotonic()
         return result
+
+    @contextlib.contextmanager
+    def awaiting(self, waits: dict[str, tuple[int, str]]) -> Iterator[None]:
+        """Within the block, count every ``side: (neighbour, what)`` in
+        ``waits`` as waited for, though this task waits for them one at a
+        time (each through :meth:`wait` on the same side, which ends its
+        entry). The probes then cover every neighbour still to be heard
+        from: a rank gone later in the order is named while an earlier one
+        is only late, instead of after the idle timeout."""
+        self.waiting.update(waits)
+        try:
+            yield
+        finally:
+            for side in waits:
+                self.waiting.pop(side, None)
 
     def _error(
         self,
