@@ -661,21 +661,17 @@ def test_fuzzed_peer_still_serves_correct_collectives(live_group: _LiveGroup) ->
     assert fg.testing.broken(live_group.peers[1]) is None  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(("world", "sender"), [(3, 0), (3, 1), (3, 2), (4, 1)])
-async def test_a_rings_last_chunk_failing_lets_no_neighbour_succeed(
-    world: int, sender: int
-) -> None:
+@pytest.mark.parametrize(("world", "sender"), [(3, 0), (3, 1), (3, 2), (4, 1), (5, 3)])
+async def test_a_rings_last_chunk_failing_lets_no_rank_succeed(world: int, sender: int) -> None:
     # A ring all_reduce of world x 128 KiB in 128 KiB chunks, one lane: each
     # rank sends 2 (world - 1) chunks, and the last is the all-gather's
-    # last, which nobody forwards. Corrupted, it fails its receiver. Its
-    # sender fails (the receiver fails its stream), and so does the
-    # receiver's right neighbour: a stream ends with an end marker only once
-    # its sender has received everything (ring.py), and a bare end of
-    # stream (gRPC can show a cancelled stream so) fails the reader. In a
-    # world of 3 that is every rank. A rank further away may finish first
-    # (only an agreement round per collective could stop that; README,
-    # "When a collective fails"): its result must then be right.
-    # The race it guards is lost in about 1 of 3 tries: 5 tries each.
+    # last, which nobody forwards. Corrupted, it fails its receiver, and
+    # every rank must fail: none may return while a rank lacks its data
+    # ([Note: end markers] in ring.py). Without end markers, gRPC sometimes
+    # shows the failed receiver's cancelled stream as a clean end, and the
+    # rank after it finishes; without the chained markers, a rank two
+    # places away finishes in most tries.
+    # The races it guards are lost in about 1 of 3 tries: 5 tries each.
     for _ in range(5):
         await _last_chunk_fails(world, sender)
 
@@ -683,7 +679,6 @@ async def test_a_rings_last_chunk_failing_lets_no_neighbour_succeed(
 async def _last_chunk_fails(world: int, sender: int) -> None:
     chunks = fg.ChunkPolicy(chunk_bytes=128 << 10, max_lanes=1)
     tensors = [torch.full((world * 32768,), float(r + 1)) for r in range(world)]
-    expected = torch.stack([t.double() for t in tensors]).sum(0).float()
     async with fg.testing.local_group(
         world,
         timeouts=FAST,
@@ -701,13 +696,6 @@ async def _last_chunk_fails(world: int, sender: int) -> None:
             *(p.all_reduce(t.clone()) for p, t in zip(peers, tensors, strict=True)),
             return_exceptions=True,
         )
-    for offset in range(world):
-        r = (sender + offset) % world
-        res = results[r]
-        if offset <= 2:
-            assert isinstance(res, fg.ProtocolError), (r, res)
-            assert res.peer == sender, (r, res)
-        elif isinstance(res, torch.Tensor):
-            torch.testing.assert_close(res, expected, rtol=0, atol=0)
-        else:
-            assert isinstance(res, fg.ProtocolError) and res.peer == sender, (r, res)
+    for r, res in enumerate(results):
+        assert isinstance(res, fg.ProtocolError), (r, res)
+        assert res.peer == sender, (r, res)

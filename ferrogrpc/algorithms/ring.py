@@ -43,6 +43,20 @@ HELD_BYTES = 8 << 20
 # How long a failing rank tries to hand its right neighbour the cause in band.
 ABORT_WRITE_S = 0.5
 
+# [Note: end markers]
+# A ring collective succeeds on a rank only if every rank received all its
+# data: no rank may return a result while another fails for want of it (a
+# corrupted last chunk, a sender that died after its last send). After its
+# last chunk each rank sends end markers 1..M (M = world - 2, at least 1)
+# down its stream: marker 1 once it has received and checked everything,
+# marker k once it has also read marker k - 1 from its left. So marker M
+# from the left says the M ranks upstream have everything; a stream's clean
+# close (the right neighbour's handler returned) says the right neighbour
+# has read its markers, so has everything too; with this rank, that is the
+# whole ring. The markers chain only leftwards, so they cannot deadlock. The
+# cost is M - 1 tiny messages' hops on top of the last chunk's, one per rank
+# at a time (none in a world of 2 or 3); BENCHMARKS.md, "End markers".
+
 
 class LaneRunner:
     """Runs one lane of one collective on one rank."""
@@ -73,6 +87,9 @@ class LaneRunner:
         self.wire = job.wire
         self.wire_itemsize = job.wire.itemsize if job.wire is not None else self.itemsize
         self.received = Counter()
+        # End markers read from the left neighbour (see _send and _consume).
+        self.ends = Counter()
+        self.ends_needed = max(1, self.world - 2)
         # Messages ready to forward, by receive index: a received chunk that is
         # copied travels on unchanged (its header names where it came from
         # and carries its verified checksum); a partial sum is reduced
@@ -181,18 +198,25 @@ class LaneRunner:
                     message = wire.encode(header, payload)
             await self._write(stream, message, item.step)
             stats.bytes_sent += (item.hi - item.lo) * self.wire_itemsize
-        # End the stream only once everything this rank receives has arrived
-        # and passed its checks, with an explicit end marker: the right
-        # neighbour's collective then cannot finish before this rank's has
-        # all its data. (For a broadcast this is what makes the root's call
-        # return only when the last rank has the data.) The marker, not the
-        # transport's end of stream, is the proof: gRPC can report a
-        # cancelled stream to its reader as a clean end.
+        # End the stream with end markers, the first only once everything
+        # this rank receives has arrived and passed its checks, and marker k
+        # once marker k - 1 came from the left. The markers, not the
+        # transport's end of stream, are the proof: gRPC can report a
+        # cancelled stream to its reader as a clean end. A rank finishes
+        # only after reading world - 2 markers (the ranks upstream have
+        # everything) and once its right neighbour has read all of its own
+        # (that one has everything): so it never finishes a collective any
+        # rank failed for want of data. (For a broadcast, the root's call
+        # returns only when the last rank has the data.) See [Note: end
+        # markers].
         if self.received.value < len(self.plan.recvs):
             await self.received.wait_for(len(self.plan.recvs))
         end = self._header()
-        end.end = True
-        await self._write(stream, wire.encode(end), len(self.plan.sends))
+        for k in range(1, self.ends_needed + 1):
+            if self.ends.value < k - 1:
+                await self.ends.wait_for(k - 1)
+            end.end = k
+            await self._write(stream, wire.encode(end), len(self.plan.sends))
         await self.watch.wait(
             "send", self.right, "the end of the stream to be read by", stream.close()
         )
@@ -323,7 +347,7 @@ class LaneRunner:
             or header.offset != item.lo
             or header.lane != self.lane
             or payload.nbytes != nbytes
-            or header.end
+            or header.end != 0
         ):
             raise self._error(
                 ProtocolError,
@@ -349,8 +373,8 @@ class LaneRunner:
     def _ended_early(self, index: int) -> FerroGrpcError:
         total = len(self.plan.recvs)
         what = (
-            f"after all {total} chunks but without its end marker (it had not received "
-            "everything it needed)"
+            f"after all {total} chunks but without its end markers (it, or a rank before "
+            "it, did not receive everything)"
             if index == total
             else f"after {index} of {total} chunks"
         )
@@ -435,18 +459,20 @@ class LaneRunner:
                 stage.final(item.lo, item.hi)
             stats.bytes_received += nbytes
             self.received.advance()
-        # The left neighbour's end marker: it has everything it receives.
-        # Without it (a bare end of stream) it failed, even if every chunk
-        # this rank needed arrived; succeeding here would let this rank
-        # finish a collective its neighbour did not.
-        tail = await self._read(stream, "the end of the stream")
-        if tail is None:
-            raise self._ended_early(len(self.plan.recvs))
-        header, payload = self._decode(tail)  # an abort in band raises its report
-        if not header.end or payload.nbytes or header.seq != job.seq:
-            raise self._error(
-                ProtocolError,
-                f"rank {self.left} sent more chunks than the schedule allows "
-                f"({len(self.plan.recvs)})",
-                self.left,
-            )
+        # The left neighbour's end markers (see _send). Without them (a bare
+        # end of stream) it failed, even if every chunk this rank needed
+        # arrived; succeeding here would let this rank finish a collective
+        # its neighbour did not.
+        for k in range(1, self.ends_needed + 1):
+            tail = await self._read(stream, f"end marker {k}")
+            if tail is None:
+                raise self._ended_early(len(self.plan.recvs))
+            header, payload = self._decode(tail)  # an abort in band raises its report
+            if header.end != k or payload.nbytes or header.seq != job.seq:
+                raise self._error(
+                    ProtocolError,
+                    f"rank {self.left} sent a message where end marker {k} belongs, after "
+                    f"all {len(self.plan.recvs)} chunks the schedule allows",
+                    self.left,
+                )
+            self.ends.advance()

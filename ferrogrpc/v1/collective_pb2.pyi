@@ -136,8 +136,8 @@ class ChunkHeader(_message.Message):
     descriptor: Descriptor
     nonce: str
     abort: Abort
-    end: bool
-    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[CollectiveKind, str]] = ..., step: _Optional[int] = ..., src_rank: _Optional[int] = ..., chunk_index: _Optional[int] = ..., lane: _Optional[int] = ..., offset: _Optional[int] = ..., checksum: _Optional[int] = ..., has_checksum: _Optional[bool] = ..., descriptor: _Optional[_Union[Descriptor, _Mapping]] = ..., nonce: _Optional[str] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., end: _Optional[bool] = ...) -> None: ...
+    end: int
+    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[CollectiveKind, str]] = ..., step: _Optional[int] = ..., src_rank: _Optional[int] = ..., chunk_index: _Optional[int] = ..., lane: _Optional[int] = ..., offset: _Optional[int] = ..., checksum: _Optional[int] = ..., has_checksum: _Optional[bool] = ..., descriptor: _Optional[_Union[Descriptor, _Mapping]] = ..., nonce: _Optional[str] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., end: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "payload", "pad")
