@@ -696,6 +696,15 @@ async def _last_chunk_fails(world: int, sender: int) -> None:
             *(p.all_reduce(t.clone()) for p, t in zip(peers, tensors, strict=True)),
             return_exceptions=True,
         )
+    receiver = (sender + 1) % world
     for r, res in enumerate(results):
-        assert isinstance(res, fg.ProtocolError), (r, res)
-        assert res.peer == sender, (r, res)
+        assert isinstance(res, fg.FerroGrpcError), (r, res)
+        if r == receiver:  # its own finding
+            assert isinstance(res, fg.ProtocolError) and res.peer == sender, (r, res)
+        else:
+            # The others name the sender (the receiver's report), or, rarely,
+            # the receiver: the sender's write after the receiver failed its
+            # stream can come back as gRPC's own INTERNAL status (grpc/grpc
+            # #36066), a symptom, which stands if the receiver's report is
+            # slower than the policy's grace (a loaded machine).
+            assert res.peer in (sender, receiver), (r, res)
