@@ -13,8 +13,11 @@ import torch
 
 import ferrogrpc as fg
 from ferrogrpc.algorithms.exchange_plan import SMALL_BYTES
+from ferrogrpc.samehost.plane import LocalPlane
 from ferrogrpc.testing import Fault, FaultKind
 from ferrogrpc.v1 import collective_pb2 as pb
+
+from .helpers import async_wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,10 +50,21 @@ async def test_a_two_level_failure_across_hosts_is_told_through_shared_memory() 
         for r, res in enumerate(results):
             assert isinstance(res, fg.FerroGrpcError), (r, res)
             assert res.peer == 2, (r, res)
-        for r in (0, 1, 3):  # every host's plane heard why, not only gRPC
+        # Every host's plane heard why, not only gRPC. A rank whose own
+        # failure was a symptom (rank 2, when rank 0's stream ended without
+        # its end markers) tells its host that at once, and the cause once
+        # rank 0's report reaches it: give that a moment.
+        for r in (0, 1, 3):
             plane = peers[r]._plane
-            assert plane is not None and plane.failed is not None, r
-            assert plane.failed.peer == 2, (r, plane.failed)
+            assert plane is not None
+
+            def heard(plane: LocalPlane = plane) -> bool:
+                return plane.failed is not None and plane.failed.peer == 2
+
+            try:
+                await async_wait_until(heard, 3.0, f"rank {r}'s plane to hear rank 2 named")
+            except AssertionError:
+                raise AssertionError((r, plane.failed)) from None
 
 
 async def test_a_direct_wait_gives_a_gone_peers_late_report_a_moment_to_land() -> None:

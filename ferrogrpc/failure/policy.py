@@ -356,6 +356,21 @@ class FailurePolicy:
             message = f"aborted because {broken.op}#{broken.seq} failed: {broken.message}"
         return self.identity.error(type(broken), message, op=op, seq=seq, peer=broken.peer)
 
+    def when_reported(
+        self, named: int | None, seq: int, then: Callable[[FerroGrpcError], None]
+    ) -> None:
+        """In the background (not cancelled with the collective): wait as
+        :meth:`await_report` does, then call ``then`` with the failure that
+        broke this rank, if it is an account better than a symptom."""
+
+        async def wait() -> None:
+            await self.await_report(named, seq)
+            broken = self._life.cause
+            if broken is not None and broken.evidence is not Evidence.SYMPTOM:
+                then(broken)
+
+        self._spawn(wait())
+
     async def await_report(self, named: int | None, seq: int | None = None) -> None:
         """Rule 1: wait up to ECHO_GRACE_S for a rank's report (or a refusal
         of collective ``seq``), pinging the neighbour the symptom named;

@@ -419,9 +419,10 @@ class LocalPlane:
                     if arg == self.direct_seq:
                         self.wake()  # a direct wait for it learns it ran another way
                 elif kind == ABORT:
+                    # Read on: a report of a symptom may be followed by the
+                    # cause (see _fail).
                     assert self._report is not None
                     self._fail(self._report(pb.Abort.FromString(payload)))
-                    return
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             # Only waits for this rank fail: one that finished and closed has
             # sent all it had to, and others may still be finishing. Built
@@ -447,8 +448,12 @@ class LocalPlane:
         return fut
 
     def _fail(self, err: FerroGrpcError) -> None:
-        """The plane is unusable: every wait on it raises ``err``."""
+        """The plane is unusable: every wait on it raises ``err``. A later
+        account replaces a symptom (a report that only saw a stream end):
+        the waits failed already, but :attr:`failed` then names the cause."""
         if self._failed is not None:
+            if self._failed.evidence is Evidence.SYMPTOM and err.evidence is not Evidence.SYMPTOM:
+                self._failed = err
             return
         self._failed = err
         self.wake()
