@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -60,27 +66,138 @@ def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
     )
 
 
+class Forked:
+    """A rank process forked by the :class:`Zygote`: what run_ranks needs of
+    a ``subprocess.Popen`` (pid, poll, wait, kill, communicate)."""
+
+    def __init__(self, conn: socket.socket, out: int) -> None:
+        self._conn = conn
+        self._lines = conn.makefile("r")
+        self.pid = int(self._lines.readline())
+        self.returncode: int | None = None
+        self._out: list[bytes] = []
+        self._reader = threading.Thread(target=self._read, args=(out,), daemon=True)
+        self._reader.start()
+        self._exit = threading.Thread(target=self._wait_exit, daemon=True)
+        self._exit.start()
+
+    def _read(self, fd: int) -> None:
+        with os.fdopen(fd, "rb") as pipe:
+            while chunk := pipe.read1(1 << 16):
+                self._out.append(chunk)
+
+    def _wait_exit(self) -> None:
+        line = self._lines.readline()
+        self.returncode = int(line) if line.strip() else -9
+        self._conn.close()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._exit.join(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(f"forked rank {self.pid}", timeout or 0)
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.wait(timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self._reader.join(left)  # its output, up to the pipe's end
+        if self._reader.is_alive():
+            raise subprocess.TimeoutExpired(f"forked rank {self.pid}", timeout or 0)
+        return b"".join(self._out).decode(errors="replace"), None
+
+
+class Zygote:
+    """tests/zygote.py, started once per test session: rank processes are
+    forks of one process that imported torch already (2 s of CPU each
+    saved). Processes whose memory is measured from their start are not
+    forked (run_ranks(fresh=True))."""
+
+    _started: Zygote | None = None
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="ferrogrpc-zygote-")
+        self.path = os.path.join(self._dir, "sock")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self._proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve().parent / "zygote.py"), self.path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=ROOT,
+            text=True,
+        )
+        assert self._proc.stdout is not None
+        ready = self._proc.stdout.readline()
+        assert ready.strip() == "READY", f"the test zygote did not start: {ready!r}"
+        atexit.register(self.close)
+
+    @classmethod
+    def get(cls) -> Zygote:
+        if cls._started is None or cls._started._proc.poll() is not None:
+            cls._started = cls()
+        return cls._started
+
+    def spawn(self, argv: list[str], env: dict[str, str]) -> Forked:
+        read, write = os.pipe()
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(self.path)
+            request = json.dumps({"argv": argv, "env": env, "cwd": str(ROOT)}).encode()
+            socket.send_fds(conn, [request], [write])
+        except BaseException:
+            conn.close()
+            os.close(read)
+            raise
+        finally:
+            os.close(write)
+        return Forked(conn, read)
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
 def run_ranks(
     script: str,
     world: int,
     *args: str,
     timeout: float = 90.0,
     env: dict[str, str] | None = None,
+    fresh: bool = False,
 ) -> list[str]:
     """Run ``tests/ranks/<script>`` as ``world`` processes with torch's env://
     variables; fail (killing all) if any exits non-zero or the group overruns
-    ``timeout``. Returns each rank's stdout."""
+    ``timeout``. Returns each rank's stdout. The processes are forks of the
+    :class:`Zygote` unless ``fresh`` (a new interpreter each)."""
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(RANKS / script), *args],
-            env=rank_env(rank, world, port, **(env or {})),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
+    procs: list[Any]
+    if fresh:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(RANKS / script), *args],
+                env=rank_env(rank, world, port, **(env or {})),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank in range(world)
+        ]
+    else:
+        zygote = Zygote.get()
+        procs = [
+            zygote.spawn([str(RANKS / script), *args], rank_env(rank, world, port, **(env or {})))
+            for rank in range(world)
+        ]
     deadline = time.monotonic() + timeout
     outputs: list[str] = []
     try:

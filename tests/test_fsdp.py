@@ -38,7 +38,7 @@ def test_resident_parameter_memory_is_a_shard_by_the_kernels_count(
     # by up to ~10 MiB over gRPC (its buffers come and go; through shared
     # memory it is exact), under the 16 MiB allowed and half of one layer.
     env = {"FERROGRPC_MALLOC_TUNING": "0", "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
-    outputs = run_ranks("fsdp_memory.py", world, timeout=100, env=env)
+    outputs = run_ranks("fsdp_memory.py", world, timeout=100, env=env, fresh=True)
     for rank, out in enumerate(outputs):
         assert f"OK rank {rank}/{world}" in out, out
         lines = [line.split() for line in out.splitlines()]

@@ -45,7 +45,7 @@ MMAP_ENV = {"FERROGRPC_MALLOC_TUNING": "0", "MALLOC_MMAP_THRESHOLD_": str(1 << 2
 
 
 def _peak(which: str) -> int:
-    outputs = run_ranks("fsdp_units.py", 2, "memory", which, timeout=100, env=MMAP_ENV)
+    outputs = run_ranks("fsdp_units.py", 2, "memory", which, timeout=100, env=MMAP_ENV, fresh=True)
     return max(
         int(line.split()[1])
         for out in outputs

@@ -24,7 +24,9 @@ def test_extra_peak_rss_of_a_256_mib_all_reduce_in_a_fresh_process(
     world: int, path: str, report: Callable[[str], None]
 ) -> None:
     shm = "0" if path == "grpc" else "1"
-    outputs = run_ranks("memory.py", world, str(SIZE), "2", timeout=220, env={"FERROGRPC_SHM": shm})
+    outputs = run_ranks(
+        "memory.py", world, str(SIZE), "2", timeout=220, env={"FERROGRPC_SHM": shm}, fresh=True
+    )
     extras = []
     for rank, out in enumerate(outputs):
         assert f"OK rank {rank}/{world}" in out, out
