@@ -100,9 +100,18 @@ class Forked:
             raise subprocess.TimeoutExpired(f"forked rank {self.pid}", timeout or 0)
         return self.returncode
 
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
+        self.send_signal(signal.SIGKILL)
+
+    @property
+    def stdout(self) -> str:
+        """What it printed so far."""
+        return b"".join(self._out).decode(errors="replace")
 
     def communicate(self, timeout: float | None = None) -> tuple[str, None]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -165,6 +174,12 @@ class Zygote:
             self._proc.kill()
             self._proc.wait()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def spawn_rank(script: str, *args: str, env: dict[str, str]) -> Forked:
+    """Start ``tests/ranks/<script>`` as one rank process, a fork of the
+    :class:`Zygote`, its output (stdout and stderr) collected."""
+    return Zygote.get().spawn([str(RANKS / script), *args], env)
 
 
 def run_ranks(

@@ -24,7 +24,6 @@ from torch import nn
 
 import ferrogrpc as fg
 from tests.helpers import (
-    RANKS,
     backends,
     free_port,
     on_ranks,
@@ -32,6 +31,7 @@ from tests.helpers import (
     os_thread_names,
     os_threads,
     rank_env,
+    spawn_rank,
     wait_until,
 )
 
@@ -48,12 +48,12 @@ def _run_fault(
 ) -> tuple[list[dict[str, object]], float]:
     port = free_port()
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(RANKS / "faults.py"), mode, str(VICTIM), str(tmp_path)],
+        spawn_rank(
+            "faults.py",
+            mode,
+            str(VICTIM),
+            str(tmp_path),
             env=rank_env(rank, WORLD, port, **extra_env),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
         )
         for rank in range(WORLD)
     ]
@@ -211,13 +211,7 @@ def test_wrapper_sync_killed_mid_collective_leaves_grad_untouched(
     # call. On both data paths.
     port = free_port()
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(RANKS / "wrapper_faults.py"), wrapper],
-            env=rank_env(rank, 2, port, **PATHS[path][0]),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        spawn_rank("wrapper_faults.py", wrapper, env=rank_env(rank, 2, port, **PATHS[path][0]))
         for rank in range(2)
     ]
     try:
