@@ -221,9 +221,9 @@ class Direct:
         views: dict[int, tuple[memoryview, int]] = {}
         kept: list[torch.Tensor] = []
         for dst, data in outgoing.items():
-            sent = views.get(id(data))
+            key = id(data)
+            sent = views.get(key)
             if sent is None:
-                key = id(data)
                 if wire is not None:
                     data = data.to(wire)
                     kept.append(data)  # the view does not hold its tensor

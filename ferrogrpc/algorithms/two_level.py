@@ -30,7 +30,6 @@ import dataclasses
 
 import torch
 
-from ..errors import Evidence
 from ..failure.watchdog import Watchdog
 from ..ops import DTYPE_TO_WIRE, OP_TO_WIRE, ReduceOp
 from ..samehost.plane import LocalPlane
@@ -84,23 +83,10 @@ class HierRunner:
                 cause = ctx.failure.cause(exc, job.name, job.seq, self.watch.first_failure)
                 mid_round = self.group is not None and self.group.mid_round
                 if not ctx.failure.plane_survives(cause, mid_round):
-                    failure = ctx.failure
-                    if cause.evidence is Evidence.SYMPTOM:
-                        # A symptom (a neighbour's stream that ended) may only
-                        # echo another rank's finding: tell the host's ranks
-                        # that finding if it is here, else the symptom now
-                        # and the finding once it lands (it replaces the
-                        # symptom there: LocalPlane._fail).
-                        broken = failure.broken
-                        if broken is not None and broken.evidence is not Evidence.SYMPTOM:
-                            cause = broken
-                        else:
-                            failure.when_reported(
-                                cause.peer,
-                                job.seq,
-                                lambda better: plane.abort(failure.abort_message(better)),
-                            )
-                    plane.abort(failure.abort_message(cause))
+                    # A symptom (a neighbour's stream that ended) may only
+                    # echo another rank's finding: the host's ranks get
+                    # that finding too, once it is here (LocalPlane._fail).
+                    ctx.failure.tell(cause, job.seq, plane.abort)
             raise
 
     async def _main(self) -> None:

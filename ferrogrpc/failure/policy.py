@@ -356,20 +356,27 @@ class FailurePolicy:
             message = f"aborted because {broken.op}#{broken.seq} failed: {broken.message}"
         return self.identity.error(type(broken), message, op=op, seq=seq, peer=broken.peer)
 
-    def when_reported(
-        self, named: int | None, seq: int, then: Callable[[FerroGrpcError], None]
-    ) -> None:
-        """In the background (not cancelled with the collective): wait as
-        :meth:`await_report` does, then call ``then`` with the failure that
-        broke this rank, if it is an account better than a symptom."""
-
-        async def wait() -> None:
-            await self.await_report(named, seq)
+    def tell(self, cause: FerroGrpcError, seq: int, send: Callable[[pb.Abort], None]) -> None:
+        """Tell others why this rank failed collective ``seq`` through
+        ``send`` (the same-host plane's abort): ``cause``; or, when that is
+        only a symptom (rule 1), the report that broke this rank if it is
+        here, else the symptom now and the report once it lands, in the
+        background (not cancelled with the collective), for the receiver to
+        put in the symptom's place."""
+        if cause.evidence is Evidence.SYMPTOM:
             broken = self._life.cause
             if broken is not None and broken.evidence is not Evidence.SYMPTOM:
-                then(broken)
+                cause = broken
+            else:
 
-        self._spawn(wait())
+                async def later() -> None:
+                    await self.await_report(cause.peer, seq)
+                    better = self._life.cause
+                    if better is not None and better.evidence is not Evidence.SYMPTOM:
+                        send(self.abort_message(better))
+
+                self._spawn(later())
+        send(self.abort_message(cause))
 
     async def await_report(self, named: int | None, seq: int | None = None) -> None:
         """Rule 1: wait up to ECHO_GRACE_S for a rank's report (or a refusal
