@@ -226,7 +226,7 @@ def test_ddp_compression_is_checked() -> None:
         fg.init_backend(0, 1, "127.0.0.1", free_port()) as backend,
         pytest.raises(fg.ConfigError, match="compression must be"),
     ):
-        fg.DDP(torch.nn.Linear(2, 2), backend, compression="int8")
+        fg.DDP(torch.nn.Linear(2, 2), backend, compression="int4")
 
 
 def test_a_chunk_is_as_many_bytes_on_the_wire_in_a_narrower_dtype() -> None:

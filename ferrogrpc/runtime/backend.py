@@ -14,6 +14,7 @@ from typing import Any, Literal, TypeVar, cast, overload
 
 import torch
 
+from ..algorithms.quantized import ErrorFeedback
 from ..control.rendezvous import Rendezvous, route_host
 from ..env import Settings
 from ..errors import ConfigError, FerroGrpcError, RendezvousError
@@ -163,6 +164,7 @@ class Backend:
         async_op: Literal[False] = ...,
         after: Work[Any] | None = ...,
         wire_dtype: torch.dtype | None = ...,
+        feedback: ErrorFeedback | None = ...,
     ) -> torch.Tensor: ...
     @overload
     def all_reduce(
@@ -173,6 +175,7 @@ class Backend:
         async_op: Literal[True],
         after: Work[Any] | None = ...,
         wire_dtype: torch.dtype | None = ...,
+        feedback: ErrorFeedback | None = ...,
     ) -> Work[torch.Tensor]: ...
     def all_reduce(
         self,
@@ -182,9 +185,17 @@ class Backend:
         async_op: bool = False,
         after: Work[Any] | None = None,
         wire_dtype: torch.dtype | None = None,
+        feedback: ErrorFeedback | None = None,
     ) -> torch.Tensor | Work[torch.Tensor]:
         """Reduce ``tensor`` in place across ranks; returns it. See
         Peer.all_reduce (which also explains ``wire_dtype``).
+
+        ``wire_dtype=torch.int8`` (float32 and float64 tensors, sum or mean):
+        blockwise-scaled int8 on the wire, each value rounded twice whatever
+        the world size, the same on every rank; see Peer.all_reduce_int8.
+        ``feedback`` (an ``ErrorFeedback``, int8 only) carries the rounding
+        errors into the next call on the same tensor, as DDP's
+        ``compression="int8"`` does.
 
         ``after``: start the transfer only once that Work has finished
         (either way). The sequence number is still taken now, so the order
@@ -194,7 +205,18 @@ class Backend:
         this one fails at once with the same cause.
         """
         self._check()
-        coro = self._peer.all_reduce(tensor, op, wire_dtype=wire_dtype)
+        coro: Coroutine[Any, Any, torch.Tensor]
+        if wire_dtype == torch.int8:
+            coro = self._peer.all_reduce_int8(tensor, op, feedback=feedback)
+        elif feedback is not None:
+            raise ConfigError(
+                "all_reduce: feedback carries int8 rounding errors; pass wire_dtype=torch.int8",
+                rank=self.rank,
+                world_size=self.world_size,
+                op="all_reduce",
+            )
+        else:
+            coro = self._peer.all_reduce(tensor, op, wire_dtype=wire_dtype)
         if after is None:
             return self._submit(coro, "all_reduce", async_op)
         previous = after._future
