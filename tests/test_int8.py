@@ -58,7 +58,9 @@ async def test_an_int8_all_reduce_is_within_its_bound_and_the_same_everywhere(
     async with fg.testing.local_group(world, transport="grpc") as peers:
         before = fg.testing.stats(peers[0]).bytes_sent
         out = [t.clone() for t in inputs]
-        await asyncio.gather(*(p.all_reduce_int8(t, op) for p, t in zip(peers, out, strict=True)))
+        await asyncio.gather(
+            *(p.all_reduce(t, op, wire_dtype=torch.int8) for p, t in zip(peers, out, strict=True))
+        )
         sent = fg.testing.stats(peers[0]).bytes_sent - before
         full = [t.clone() for t in inputs]
         before = fg.testing.stats(peers[0]).bytes_sent
@@ -79,7 +81,7 @@ async def test_an_int8_all_reduce_is_within_its_bound_and_the_same_everywhere(
 
 
 async def _int8(peer: fg.Peer, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    return await peer.all_reduce_int8(t, op)  # (a refusal raises when called)
+    return await peer.all_reduce(t, op, wire_dtype=torch.int8)  # (a refusal raises here)
 
 
 async def test_int8_refuses_what_it_cannot_reduce_on_every_rank() -> None:

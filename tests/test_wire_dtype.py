@@ -126,9 +126,13 @@ async def test_wire_dtype_is_checked() -> None:
         with pytest.raises(fg.ConfigError, match=r"rank 0.*narrows float32 and float64"):
             await asyncio.wait_for(peers[1].all_reduce(torch.ones(4, dtype=torch.int32)), 10)
         with pytest.raises(fg.ConfigError, match=r"bfloat16 or torch\.float16"):
-            peers[0].all_reduce(torch.ones(4), wire_dtype=torch.int8)
+            peers[0].all_reduce(torch.ones(4), wire_dtype=torch.int16)
         with pytest.raises(fg.ConfigError, match=r"rank 0.*bfloat16 or torch\.float16"):
             await asyncio.wait_for(peers[1].all_reduce(torch.ones(4)), 10)
+        with pytest.raises(fg.ConfigError, match=r"int8 is all_reduce's only"):
+            peers[0].all_gather(torch.ones(4), wire_dtype=torch.int8)
+        with pytest.raises(fg.ConfigError, match=r"rank 0.*int8 is all_reduce's only"):
+            await asyncio.wait_for(peers[1].all_gather(torch.ones(4)), 10)
         # Ranks that disagree on the wire dtype are told so.
         results = await asyncio.gather(
             peers[0].all_reduce(torch.ones(1 << 17), wire_dtype=torch.bfloat16),

@@ -47,14 +47,11 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ..ops import ReduceOp
-
-if TYPE_CHECKING:
-    from ..runtime.peer import Peer
 
 BLOCK = 256  # elements per scale
 _QMAX = 127.0
@@ -139,8 +136,26 @@ class ErrorFeedback:
         self.world = 0
 
 
+class Collectives(Protocol):
+    """What the int8 all-reduce needs of a rank's Peer."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_to_all_single(
+        self, out: torch.Tensor, tensor: torch.Tensor
+    ) -> Coroutine[Any, Any, torch.Tensor]: ...
+
+    def all_gather_into_tensor(
+        self, out: torch.Tensor, tensor: torch.Tensor
+    ) -> Coroutine[Any, Any, torch.Tensor]: ...
+
+
 def all_reduce_int8(
-    peer: Peer,
+    peer: Collectives,
     tensor: torch.Tensor,
     op: ReduceOp,
     feedback: ErrorFeedback | None = None,

@@ -192,7 +192,7 @@ class Backend:
 
         ``wire_dtype=torch.int8`` (float32 and float64 tensors, sum or mean):
         blockwise-scaled int8 on the wire, each value rounded twice whatever
-        the world size, the same on every rank; see Peer.all_reduce_int8.
+        the world size, the same on every rank; see Peer.all_reduce.
         ``feedback`` (an ``ErrorFeedback``, int8 only) carries the rounding
         errors into the next call on the same tensor, as DDP's
         ``compression="int8"`` does.
@@ -205,18 +205,7 @@ class Backend:
         this one fails at once with the same cause.
         """
         self._check()
-        coro: Coroutine[Any, Any, torch.Tensor]
-        if wire_dtype == torch.int8:
-            coro = self._peer.all_reduce_int8(tensor, op, feedback=feedback)
-        elif feedback is not None:
-            raise ConfigError(
-                "all_reduce: feedback carries int8 rounding errors; pass wire_dtype=torch.int8",
-                rank=self.rank,
-                world_size=self.world_size,
-                op="all_reduce",
-            )
-        else:
-            coro = self._peer.all_reduce(tensor, op, wire_dtype=wire_dtype)
+        coro = self._peer.all_reduce(tensor, op, wire_dtype=wire_dtype, feedback=feedback)
         if after is None:
             return self._submit(coro, "all_reduce", async_op)
         previous = after._future

@@ -268,7 +268,8 @@ class Peer:
         op: ReduceOp | str = ReduceOp.SUM,
         *,
         wire_dtype: torch.dtype | None = None,
-    ) -> Call[torch.Tensor]:
+        feedback: ErrorFeedback | None = None,
+    ) -> Coroutine[Any, Any, torch.Tensor]:
         """Reduce ``tensor`` across all ranks, in place; returns ``tensor``.
 
         Small tensors (up to 256 KiB) go in one exchange; ranks on one host
@@ -282,7 +283,26 @@ class Peer:
         the same on every rank, within the README's error bound (a ring
         rounds it to the wire dtype). Synchronization point. On failure the tensor's contents are
         unspecified (partly reduced): keep a copy if you need to retry.
+
+        ``wire_dtype=torch.int8`` (float32 and float64 tensors, sum or mean
+        only: a rounded max or product is not the inputs' own): every rank
+        rounds its tensor to blockwise-scaled int8 once, each shard's owner
+        adds the ranks' values in the tensor's dtype and rounds that once,
+        and an all-gather gives every rank bitwise identical values, on every
+        path; about a quarter of float32's bytes. The bound is in [Note:
+        int8 all-reduce] (algorithms/quantized.py). ``feedback`` (int8 only)
+        carries the rounding errors into the next call on the same tensor,
+        as DDP's ``compression="int8"`` does. On failure the tensor is
+        unchanged.
         """
+        if wire_dtype == torch.int8:
+            return self._all_reduce_int8(tensor, op, feedback)
+        if feedback is not None:
+            raise self._me.error(
+                ConfigError,
+                "feedback carries int8 rounding errors: pass wire_dtype=torch.int8 with it",
+                op="all_reduce",
+            )
         with self._checks("all_reduce"):
             validate.tensor(self._me, tensor, "all_reduce")
             validate.writable(self._me, tensor, "all_reduce")
@@ -295,23 +315,12 @@ class Peer:
         )
         return self._call(placed, lambda: tensor)
 
-    def all_reduce_int8(
-        self,
-        tensor: torch.Tensor,
-        op: ReduceOp | str = ReduceOp.SUM,
-        *,
-        feedback: ErrorFeedback | None = None,
+    def _all_reduce_int8(
+        self, tensor: torch.Tensor, op: ReduceOp | str, feedback: ErrorFeedback | None
     ) -> Coroutine[Any, Any, torch.Tensor]:
-        """``all_reduce`` with int8 on the wire (``wire_dtype=torch.int8``):
-        a float32 or float64 ``tensor``, SUM or MEAN. Every rank rounds its
-        tensor to blockwise-scaled int8 once, each shard's owner adds the
-        ranks' values in full precision and rounds the result once, and an
-        all-gather gives every rank bitwise identical values; the error
-        bound is in [Note: int8 all-reduce] (algorithms/quantized.py).
-        ``feedback`` carries the rounding errors into the next call on the
-        same tensor (DDP's ``compression="int8"``). Two collectives, an
-        all-to-all and an all-gather, on every path. Synchronization point.
-        On failure the tensor is unchanged."""
+        """:meth:`all_reduce` with ``wire_dtype=torch.int8``: two collectives
+        (an all-to-all and an all-gather) on every path; on failure the
+        tensor is unchanged."""
         me, name = self._me, "all_reduce"
         with self._checks(name, lambda: 2):
             validate.tensor(me, tensor, name)
