@@ -175,19 +175,20 @@ def test_ddp_int8_with_error_feedback_reaches_float32s_loss_and_without_it_does_
     assert plain > 1.05 * full, (plain, full)
 
 
-def test_ddp_int8_keeps_the_unused_parameter_rules() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ddp_int8_keeps_the_unused_parameter_rules(dtype: torch.dtype) -> None:
     """The "had a gradient" flags travel unrounded: a parameter only rank 0
     used gets the mean with zeros elsewhere; one nobody used keeps None."""
     group = backends(2)
 
     def rank(r: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         torch.manual_seed(0)
-        used, unused = nn.Linear(4, 1), nn.Linear(4, 1)
+        used, unused = nn.Linear(4, 1, dtype=dtype), nn.Linear(4, 1, dtype=dtype)
         model = nn.ModuleDict({"used": used, "unused": unused})
         ddp = fg.DDP(model, group[r], compression="int8")
         ddp.broadcast_parameters(0)
         if r == 0:
-            used(torch.ones(2, 4)).sum().backward()
+            used(torch.ones(2, 4, dtype=dtype)).sum().backward()
         ddp.sync_gradients()
         return used.weight.grad, unused.weight.grad
 
@@ -200,5 +201,5 @@ def test_ddp_int8_keeps_the_unused_parameter_rules() -> None:
         assert unused_grad is None
         assert used_grad is not None
         # rank 0's gradient is 2 everywhere; the mean with rank 1's zeros is 1.
-        assert torch.allclose(used_grad, torch.ones(1, 4), rtol=1e-2)
+        assert torch.allclose(used_grad, torch.ones(1, 4, dtype=dtype), rtol=1e-2)
     assert torch.equal(results[0][0], results[1][0])  # type: ignore[arg-type]

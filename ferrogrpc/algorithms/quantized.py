@@ -44,6 +44,7 @@ carried error starts again from zero.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 from collections.abc import Coroutine
@@ -54,44 +55,20 @@ import torch
 from ..ops import ReduceOp
 
 BLOCK = 256  # elements per scale
+CHUNK = 4096 * BLOCK  # elements rounded at a time (bounds the scratch memory)
 _QMAX = 127.0
 _SCALE_BYTES = 4  # one float32 per block
-
-
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (1-D float, a multiple of BLOCK elements) as int8 values and one
-    float32 scale per block: ``x ~ q * scale``, rounding to nearest. An
-    all-zero block has scale 0."""
-    blocks = x.view(-1, BLOCK)
-    scale = blocks.abs().amax(dim=1).to(torch.float32) / _QMAX
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).to(x.dtype)
-    q = torch.round(blocks / safe[:, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
-    return q.view(-1), scale
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The values ``q * scale`` (blocks of BLOCK), in ``dtype``."""
-    return (q.view(-1, BLOCK).to(dtype) * scale.to(dtype)[:, None]).view(-1)
+_TINY = 1e-30  # a block whose scale is below this is sent as zeros
+# Rounds the inputs of int8 all-reduces in call order, off the callers'
+# threads and the event loop (one thread: torch's kernels run in parallel
+# inside it, and the calls come one bucket at a time).
+_ROUNDER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ferrogrpc-int8")
 
 
 def packed_bytes(elements: int) -> int:
     """Bytes of ``elements`` (a multiple of BLOCK) packed: int8 values, then
-    the float32 scales."""
+    one float32 scale per block."""
     return elements + (elements // BLOCK) * _SCALE_BYTES
-
-
-def pack(q: torch.Tensor, scale: torch.Tensor, into: torch.Tensor) -> None:
-    """Write int8 ``q`` and its float32 ``scale`` into the uint8 ``into``."""
-    n = q.numel()
-    into[:n].copy_(q.view(torch.uint8))
-    into[n:].copy_(scale.contiguous().view(torch.uint8))
-
-
-def unpack(packed: torch.Tensor, elements: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 values and float32 scales that :func:`pack` wrote."""
-    q = packed[:elements].view(torch.int8)
-    scale = packed[elements:].clone().view(torch.float32)
-    return q, scale
 
 
 def shard_elements(numel: int, world: int) -> int:
@@ -100,13 +77,59 @@ def shard_elements(numel: int, world: int) -> int:
     return max(BLOCK, -(-per // BLOCK) * BLOCK)
 
 
+class _Packed:
+    """A shard of ``elements`` packed in the uint8 ``raw``: its int8 values,
+    then its float32 scales."""
+
+    def __init__(self, raw: torch.Tensor, elements: int) -> None:
+        self.q = raw[:elements].view(torch.int8)
+        self.scales = raw[elements : packed_bytes(elements)].view(torch.float32)
+
+    def chunk(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Elements [lo, hi) (whole blocks): values as blocks, and scales."""
+        return self.q[lo:hi].view(-1, BLOCK), self.scales[lo // BLOCK : hi // BLOCK]
+
+
+def round_blocks(
+    v: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    error: torch.Tensor | None,
+    scratch: torch.Tensor,
+) -> None:
+    """Round the blocks ``v`` (rows of BLOCK) to int8 ``q`` with one float32
+    scale each (largest magnitude / 127, to nearest); write into ``error``
+    (``v``'s shape; may be ``v`` itself) what the rounding lost, as the
+    receivers will see it. ``scratch``: as many elements as ``v``, its dtype."""
+    largest = torch.maximum(v.amax(dim=1), v.amin(dim=1).neg_())
+    scale32 = (largest / _QMAX).to(torch.float32)
+    scales.copy_(scale32)
+    scale = scale32.to(v.dtype)
+    inverse = torch.where(scale > _TINY, scale.reciprocal(), torch.zeros_like(scale))
+    t = scratch.view(v.shape)
+    torch.mul(v, inverse[:, None], out=t)
+    t.round_().clamp_(-_QMAX, _QMAX)
+    if error is not None:
+        torch.addcmul(v, t, scale[:, None], value=-1, out=error)
+    q.copy_(t)
+
+
+def add_blocks(into: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, first: bool) -> None:
+    """``into`` (rows of BLOCK) = (or +=, unless ``first``) ``q * scales``."""
+    scale = scales.to(into.dtype)[:, None]
+    if first:
+        torch.mul(q, scale, out=into)
+    else:
+        into.addcmul_(q, scale)
+
+
 @dataclasses.dataclass
 class ErrorFeedback:
     """The rounding error an int8 all-reduce carries to its next call on the
     same tensor (see [Note: int8 all-reduce]): ``sent``, this rank's input
     error (the padded tensor's length), and ``owned``, the error of the shard
-    this rank owns. Empty until the first call; reset when the shape or the
-    world size changes."""
+    this rank owns. Empty until the first call; reset when the layout (the
+    size, the world size) changes, and after a call that failed."""
 
     sent: torch.Tensor | None = None
     owned: torch.Tensor | None = None
@@ -125,10 +148,9 @@ class ErrorFeedback:
             or self.sent.numel() != padded
             or self.owned.numel() != shard
             or self.sent.dtype != like.dtype
-            or self.sent.device != like.device
         ):
-            self.sent = torch.zeros(padded, dtype=like.dtype, device=like.device)
-            self.owned = torch.zeros(shard, dtype=like.dtype, device=like.device)
+            self.sent = torch.zeros(padded, dtype=like.dtype)
+            self.owned = torch.zeros(shard, dtype=like.dtype)
             self.world = world
 
     def reset(self) -> None:
@@ -163,85 +185,130 @@ def all_reduce_int8(
     """The int8 all-reduce of [Note: int8 all-reduce], in place on ``tensor``
     (float32 or float64, SUM or MEAN; the caller checked). Its two
     collectives take their sequence numbers now, in call order, like any
-    other; the rounding runs off the event loop. Returns ``tensor``."""
-    world = peer.world_size
+    other; the rounding runs off the event loop, a CHUNK at a time. Returns
+    ``tensor``; on failure ``tensor`` is unchanged and ``feedback`` reset."""
+    world, rank = peer.world_size, peer.rank
     exact = min(feedback.exact, tensor.numel()) if feedback is not None else 0
     numel = tensor.numel() - exact
     shard = shard_elements(numel, world)
     row = packed_bytes(shard)
     compute = tensor.dtype  # float32 or float64
     tail = exact * tensor.element_size()
-    send = torch.empty(world * (row + tail), dtype=torch.uint8)
-    received = torch.empty(world * (row + tail), dtype=torch.uint8)
-    exact_sum = torch.zeros(exact, dtype=compute)
+    # An all-to-all row: a packed shard, then the exact tail, both 8-byte
+    # aligned (a float64 tail is viewed where it lies).
+    row_pad = -row % 8
+    stride = row + row_pad + -(-tail // 8) * 8
+    send = torch.empty(world * stride, dtype=torch.uint8)
+    received = torch.empty(world * stride, dtype=torch.uint8)
     gathered = torch.empty(world * row, dtype=torch.uint8)
     # This rank's block of the gather, written (by reduce_owned) before the
     # gather runs: a CPU gather works in place, and copies ``mine`` into
     # ``gathered`` when called, here onto itself.
-    mine = gathered[peer.rank * row : (peer.rank + 1) * row]
+    mine = gathered[rank * row : (rank + 1) * row]
     exchange = peer.all_to_all_single(received, send)
     gather = peer.all_gather_into_tensor(gathered, mine)
+    exact_sum = torch.zeros(exact, dtype=compute)
+    scratch = torch.empty(CHUNK, dtype=compute)
+    padded = torch.zeros(CHUNK, dtype=compute)
+
+    def source() -> torch.Tensor:
+        """The tensor's rounded part, flat, on the CPU (a view if it can)."""
+        flat = tensor.detach().reshape(-1)[:numel]
+        return flat.cpu() if flat.device.type != "cpu" else flat
 
     def round_inputs() -> None:
-        flat = torch.zeros(world * shard, dtype=compute, device=tensor.device)
-        flat[:numel].copy_(tensor.detach().reshape(-1)[:numel])
+        flat = source()
+        carried: torch.Tensor | None = None
         if feedback is not None:
             feedback.fits(world * shard, shard, world, flat)
-            assert feedback.sent is not None
-            flat += feedback.sent
-        q, scale = quantize(flat)
-        if feedback is not None:
-            assert feedback.sent is not None
-            torch.sub(flat, dequantize(q, scale, compute), out=feedback.sent)
-        q, scale = q.cpu(), scale.cpu()
-        unrounded = tensor.detach().reshape(-1)[numel:].cpu().contiguous().view(torch.uint8)
-        per = shard // BLOCK
+            carried = feedback.sent
+            assert carried is not None
+            carried[:numel].add_(flat)  # now the values to send (the error, after)
         for j in range(world):
-            at = j * (row + tail)
-            shard_q, shard_scale = q[j * shard : (j + 1) * shard], scale[j * per : (j + 1) * per]
-            pack(shard_q, shard_scale, send[at : at + row])
-            send[at + row : at + row + tail].copy_(unrounded)
+            out = _Packed(send[j * stride : j * stride + row], shard)
+            for lo in range(j * shard, (j + 1) * shard, CHUNK):
+                hi = min(lo + CHUNK, (j + 1) * shard)
+                if carried is not None:
+                    v = carried[lo:hi]
+                elif hi <= numel:
+                    v = flat[lo:hi]
+                else:  # the padding: zeros past the tensor's end
+                    v = padded[: hi - lo]
+                    v.zero_()
+                    if lo < numel:
+                        v[: numel - lo].copy_(flat[lo:numel])
+                blocks = v.view(-1, BLOCK)
+                q, scales = out.chunk(lo - j * shard, hi - j * shard)
+                err = blocks if carried is not None else None
+                round_blocks(blocks, q, scales, err, scratch[: hi - lo])
+        if exact:
+            unrounded = tensor.detach().reshape(-1)[numel:].cpu().contiguous()
+            for j in range(world):
+                at = j * stride + row + row_pad
+                send[at : at + tail].copy_(unrounded.view(torch.uint8))
 
     def reduce_owned() -> None:
-        total = torch.zeros(shard, dtype=compute)
-        for r in range(world):  # rank order: the same sum on any rank
-            at = r * (row + tail)
-            q, scale = unpack(received[at : at + row], shard)
-            total += dequantize(q, scale, compute)
-            exact_sum.add_(received[at + row : at + row + tail].clone().view(compute))
+        ins = [_Packed(received[r * stride : r * stride + row], shard) for r in range(world)]
+        owned = feedback.owned if feedback is not None else None
+        out = _Packed(mine, shard)
+        total = padded
+        for lo in range(0, shard, CHUNK):
+            hi = min(lo + CHUNK, shard)
+            blocks = total[: hi - lo].view(-1, BLOCK)
+            for r in range(world):  # rank order: the same sum on any rank
+                add_blocks(blocks, *ins[r].chunk(lo, hi), first=r == 0)
+            if op == ReduceOp.MEAN:
+                blocks.div_(world)
+            err: torch.Tensor | None = None
+            if owned is not None:
+                blocks.add_(owned[lo:hi].view(-1, BLOCK))
+                err = owned[lo:hi].view(-1, BLOCK)
+            round_blocks(blocks, *out.chunk(lo, hi), err, scratch[: hi - lo])
+        for r in range(world):
+            at = r * stride + row + row_pad
+            exact_sum.add_(received[at : at + tail].view(compute))
         if op == ReduceOp.MEAN:
-            total /= world
             exact_sum.div_(world)
-        if feedback is not None:
-            assert feedback.owned is not None
-            total += feedback.owned.cpu()
-        q, scale = quantize(total)
-        if feedback is not None:
-            assert feedback.owned is not None
-            feedback.owned.copy_(total - dequantize(q, scale, compute))
-        pack(q, scale, mine)
 
     def write_result() -> None:
-        out = torch.empty(world * shard, dtype=compute)  # (the padding is dropped)
+        flat = tensor.detach().reshape(-1)
+        direct = flat.device.type == "cpu" and flat.data_ptr() == tensor.data_ptr()
+        direct = direct and tensor.is_contiguous()
+        result = flat if direct else torch.empty(tensor.numel(), dtype=compute)
         for j in range(world):
-            q, scale = unpack(gathered[j * row : (j + 1) * row], shard)
-            out[j * shard : (j + 1) * shard] = dequantize(q, scale, compute)
-        result = torch.cat([out[:numel], exact_sum]).to(tensor.device)
-        with torch.no_grad():
-            tensor.copy_(result.view(tensor.shape))
+            part = _Packed(gathered[j * row : (j + 1) * row], shard)
+            for lo in range(j * shard, min((j + 1) * shard, numel), CHUNK):
+                hi = min(lo + CHUNK, (j + 1) * shard)
+                q, scales = part.chunk(lo - j * shard, hi - j * shard)
+                if hi <= numel:
+                    add_blocks(result[lo:hi].view(-1, BLOCK), q, scales, first=True)
+                else:
+                    staged = padded[: hi - lo].view(-1, BLOCK)
+                    add_blocks(staged, q, scales, first=True)
+                    result[lo:numel].copy_(staged.view(-1)[: numel - lo])
+        result[numel:].copy_(exact_sum)
+        if not direct:
+            with torch.no_grad():
+                tensor.copy_(result.view(tensor.shape))
+
+    # The inputs are rounded from now on, in the background: a bucket queued
+    # behind another (DDP's ``after``) is ready when its turn comes.
+    rounding = _ROUNDER.submit(round_inputs)
 
     async def run() -> torch.Tensor:
         # Both collectives run whatever happens here: a sequence number
         # taken must be used (a failed one fails the next at once).
         failed: BaseException | None = None
         try:
-            await asyncio.to_thread(round_inputs)
+            await asyncio.wrap_future(rounding)
         except Exception as exc:
             send.zero_()
             failed = exc
         try:
             await exchange
         except BaseException:
+            if feedback is not None:
+                feedback.reset()
             with contextlib.suppress(Exception):
                 await gather
             raise
@@ -252,8 +319,15 @@ def all_reduce_int8(
                 failed = exc
         if failed is not None:
             mine.zero_()
-        await gather
+        try:
+            await gather
+        except BaseException:
+            if feedback is not None:
+                feedback.reset()
+            raise
         if failed is not None:
+            if feedback is not None:
+                feedback.reset()
             raise failed
         await asyncio.to_thread(write_result)
         return tensor
