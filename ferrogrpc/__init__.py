@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .runtime.work import Work
     from .startup import init_backend
     from .wrappers.ddp import DDP
+    from .wrappers.diloco import DiLoCo
     from .wrappers.fsdp import FSDP
 
 __version__ = "0.1.0"
@@ -43,6 +44,7 @@ __version__ = "0.1.0"
 _ON_FIRST_USE = {
     "Backend": "ferrogrpc.runtime.backend",
     "DDP": "ferrogrpc.wrappers.ddp",
+    "DiLoCo": "ferrogrpc.wrappers.diloco",
     "ElasticBackend": "ferrogrpc.elastic.backend",
     "ElasticState": "ferrogrpc.elastic.state",
     "Membership": "ferrogrpc.elastic.backend",
@@ -78,6 +80,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "ConfigError",
     "DDP",
+    "DiLoCo",
     "ElasticBackend",
     "ElasticState",
     "FSDP",

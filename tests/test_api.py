@@ -21,6 +21,7 @@ def test_public_names_are_pinned() -> None:
             "CollectiveTimeoutError",
             "ConfigError",
             "DDP",
+            "DiLoCo",
             "ElasticBackend",
             "ElasticState",
             "FSDP",
