@@ -198,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
 
         argv.remove("--elastic")
         return elastic_main(argv)
+    if any(arg == "--link" or arg.startswith("--link=") for arg in argv):
+        # gloo and ferrogrpc on rate-limited links, one rank per network
+        # namespace.
+        from client.bench_link import main as link_main
+
+        return link_main(argv)
     if "--torch" in argv:
         # torch's DDP on gloo and on ferrogrpc (and ferrogrpc's own DDP),
         # same model, same run.
@@ -230,6 +236,13 @@ def main(argv: list[str] | None = None) -> int:
         "--torch",
         action="store_true",
         help="instead: torch DDP on gloo and on ferrogrpc, same model (client.bench_train)",
+    )
+    parser.add_argument(
+        "--link",
+        nargs="*",
+        metavar="RATE[,RTT]",
+        help="instead: gloo and ferrogrpc on rate-limited links, one rank per network namespace "
+        "(client.bench_link; root)",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gloo-port", type=int, help=argparse.SUPPRESS)

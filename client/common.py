@@ -5,12 +5,26 @@ bench_train.py import it; it imports none of them."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 MiB = 1 << 20
+
+# The checkout these programs run from.
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def checkout_env(**extra: str) -> dict[str, str]:
+    """This process's environment, with the checkout first on PYTHONPATH
+    (for another process that runs a program of it: ``-m client.X``), plus
+    ``extra``."""
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return env
 
 
 def parse_size(text: str) -> int:

@@ -11,52 +11,25 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import socket
 import statistics
+import sys
 import time
 from multiprocessing.connection import Connection
 
-BLOCK = 4 << 20
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _send(sock: socket.socket, total: int) -> None:
-    buf = memoryview(bytearray(BLOCK))
-    left = total
-    while left:
-        n = min(left, BLOCK)
-        sock.sendall(buf[:n])
-        left -= n
-
-
-def _recv(sock: socket.socket, total: int) -> None:
-    buf = memoryview(bytearray(BLOCK))
-    left = total
-    while left:
-        got = sock.recv_into(buf, min(left, BLOCK))
-        if not got:
-            raise ConnectionError("peer closed early")
-        left -= got
+from client.netlab import exchange, recv_bytes
 
 
 def _peer(port: int, total: int, iters: int, both: bool, done: Connection) -> None:
     sock = socket.create_connection(("127.0.0.1", port))
     for _ in range(iters):
-        if both:
-            _duplex(sock, total)
-        else:
-            _recv(sock, total)
+        exchange(sock, total, send=both, recv=True)
         sock.sendall(b"k")
     sock.close()
     done.send(True)
-
-
-def _duplex(sock: socket.socket, total: int) -> None:
-    import threading
-
-    sender = threading.Thread(target=_send, args=(sock, total))
-    sender.start()
-    _recv(sock, total)
-    sender.join()
 
 
 def measure(mib: int, iters: int, both: bool) -> float:
@@ -70,11 +43,8 @@ def measure(mib: int, iters: int, both: bool) -> float:
     times = []
     for _ in range(iters):
         start = time.perf_counter()
-        if both:
-            _duplex(sock, total)
-        else:
-            _send(sock, total)
-        _recv(sock, 1)
+        exchange(sock, total, send=True, recv=both)
+        recv_bytes(sock, 1)
         times.append(time.perf_counter() - start)
     parent.recv()
     proc.join()

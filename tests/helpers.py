@@ -15,7 +15,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,6 +24,12 @@ import pytest
 import torch
 
 import ferrogrpc as fg
+
+# Network namespaces (root only) are client/netlab.py's, which the link
+# benchmark uses too.
+from client.netlab import SUBNET as SUBNET
+from client.netlab import ip as ip
+from client.netlab import namespaces as namespaces
 from ferrogrpc.control import launch
 
 T = TypeVar("T")
@@ -357,55 +363,6 @@ def count_exchanges(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def open_fds() -> int:
     """This process's open file descriptors (sockets, memfds, pipes...)."""
     return len(os.listdir("/proc/self/fd"))
-
-
-# Network namespaces (root only): addresses in 198.18.0.0/24, the range
-# reserved for network tests, which live only inside the namespaces.
-SUBNET = "198.18.0"
-
-
-def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
-
-
-@contextlib.contextmanager
-def namespaces(names: list[str]) -> Iterator[dict[str, str]]:
-    """One namespace per name, each with an address on a shared bridge
-    (``SUBNET``.10, .11, ... in order); yields name -> namespace, plus
-    ``"__hub__"``, the bridge's. Removes everything on exit."""
-    tag = f"fg{os.getpid() % 100000}"
-    hub = f"{tag}-hub"
-    created: list[str] = []
-    addresses = {name: f"{SUBNET}.{10 + i}" for i, name in enumerate(names)}
-    try:
-        ip("netns", "add", hub)
-        created.append(hub)
-        ip("-n", hub, "link", "add", "br0", "type", "bridge")
-        ip("-n", hub, "link", "set", "br0", "up")
-        for i, name in enumerate(names):
-            ns = f"{tag}-{i}"
-            ip("netns", "add", ns)
-            created.append(ns)
-            outer, inner = f"{tag}h{i}", f"{tag}n{i}"
-            ip("link", "add", outer, "type", "veth", "peer", "name", inner)
-            ip("link", "set", outer, "netns", hub)
-            ip("link", "set", inner, "netns", ns)
-            ip("-n", hub, "link", "set", outer, "master", "br0", "up")
-            ip("-n", ns, "addr", "add", f"{addresses[name]}/24", "dev", inner)
-            ip("-n", ns, "link", "set", inner, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-            etc = Path("/etc/netns") / ns
-            etc.mkdir(parents=True, exist_ok=True)
-            hosts = ["127.0.0.1 localhost"] + [f"{addr} {host}" for host, addr in addresses.items()]
-            (etc / "hosts").write_text("\n".join(hosts) + "\n")
-        yield {name: f"{tag}-{i}" for i, name in enumerate(names)} | {"__hub__": hub}
-    finally:
-        for ns in reversed(created):
-            for pid in ip("netns", "pids", ns, check=False).stdout.split():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), 9)
-            ip("netns", "del", ns, check=False)
-            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
 
 
 class ServedJob:

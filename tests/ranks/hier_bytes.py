@@ -12,18 +12,10 @@ import sys
 import torch
 
 import ferrogrpc as fg
+from client.netlab import tx_bytes
 
 NUMEL = 4 << 20  # 16 MiB of float32
 ITERS = 4
-
-
-def tx_bytes() -> int:
-    total = 0
-    for dev in os.listdir("/sys/class/net"):
-        if dev != "lo":
-            with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as f:
-                total += int(f.read())
-    return total
 
 
 def main() -> None:
