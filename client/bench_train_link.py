@@ -1,0 +1,329 @@
+"""Training over rate-limited links (issue 31): gloo DDP beside ferrogrpc's
+DDP (float32 and ``compression="int8"``) and DiLoCo, one rank per host.
+
+    python -m client.bench --train-link 1gbit --what step
+    python -m client.bench --train-link 100mbit --what lm
+
+Each rank runs in a network namespace of its own (client/netlab.py), its
+link shaped to RATE each way, so every byte crosses the shaped link.
+
+``--what step``: the DDP step of bench_train's MLP (about 25.2M float32
+parameters), one step of each implementation in turn, the order rotating:
+torch's DistributedDataParallel on gloo, ferrogrpc's DDP in float32 and with
+``compression="int8"``, and the model trained alone ("no communication",
+the compute floor). Reported: the median step (slowest rank), as a multiple
+of gloo DDP's, and the bytes each rank's link sent per step.
+
+``--what lm``: the character-level language model of client/charlm.py
+(1.85M parameters), each implementation trained for ``--steps`` steps from
+the same start: gloo DDP, ferrogrpc DDP (float32 and int8), and DiLoCo
+(``sync_every`` H = 50, AdamW inside, with and without fragments). Reported
+per implementation: the wall time per step, the share of it spent
+computing (the model trained alone, in the same run, over the
+implementation's step: what is not blocked on the exchange), the bytes each
+rank's link sent per step, and the held-out loss at the end (nats per
+character). Every rank's final parameters are checked equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from client.common import collect, rotated
+from client.netlab import ROOT, Link, network
+
+GLOO_PORT, FG_PORT = 29500, 29600
+LM_BATCH = 64
+LM_LR = 2e-3
+
+
+def _tx_bytes() -> int:
+    """Bytes this host's links sent (every device but loopback)."""
+    total = 0
+    for dev in os.listdir("/sys/class/net"):
+        if dev != "lo":
+            with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as f:
+                total += int(f.read())
+    return total
+
+
+def _setup() -> tuple[int, int, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import ferrogrpc as fg
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    addr = os.environ["MASTER_ADDR"]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{addr}:{GLOO_PORT}", rank=rank, world_size=world
+    )
+    backend = fg.init_backend(rank, world, addr, FG_PORT)
+    return rank, world, backend
+
+
+def _step_worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    import ferrogrpc as fg
+    from client.bench_train import build_model
+
+    rank, world, backend = _setup()
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, 1024, generator=gen)
+    y = torch.randn(args.batch, 1024, generator=gen)
+
+    def model() -> nn.Module:
+        built: nn.Module = build_model(4096, 1, io=1024)
+        return built
+
+    candidates: dict[str, tuple[nn.Module, Any]] = {
+        "gloo DDP": (DistributedDataParallel(model()), None),
+    }
+    for name, compression in (("ferrogrpc DDP", None), ("ferrogrpc DDP int8", "int8")):
+        ddp = fg.DDP(model(), backend, compression=compression)
+        candidates[name] = (ddp, ddp.sync_gradients)
+    candidates["no communication"] = (model(), None)
+    opts = {n: torch.optim.SGD(m.parameters(), lr=1e-3) for n, (m, _) in candidates.items()}
+
+    def step(name: str) -> tuple[float, int]:
+        module, sync = candidates[name]
+        dist.barrier()
+        sent = _tx_bytes()
+        start = time.perf_counter()
+        opts[name].zero_grad()
+        nn.functional.mse_loss(module(x), y).backward()  # type: ignore[no-untyped-call]
+        if sync is not None:
+            sync()
+        opts[name].step()
+        return time.perf_counter() - start, _tx_bytes() - sent
+
+    for name in candidates:
+        for _ in range(args.warmup):
+            step(name)
+    times: dict[str, list[float]] = {n: [] for n in candidates}
+    sent: dict[str, list[int]] = {n: [] for n in candidates}
+    for i in range(args.steps):
+        for name in rotated(list(candidates), i):
+            t, b = step(name)
+            times[name].append(t)
+            sent[name].append(b)
+    params = sum(p.numel() for p in candidates["no communication"][0].parameters())
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, {"times": times, "sent": sent})
+    if rank == 0:
+        print("RESULT " + json.dumps({"params": params, "ranks": gathered}), flush=True)
+    backend.close()
+    dist.destroy_process_group()
+
+
+def _lm_worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    import ferrogrpc as fg
+    from client import charlm
+
+    rank, world, backend = _setup()
+    results: dict[str, Any] = {}
+
+    def run(name: str, build: Any) -> None:
+        """Train ``args.steps`` steps; time each; the held-out loss at the end."""
+        model = charlm.build()
+        inner = torch.optim.AdamW(model.parameters(), lr=LM_LR)
+        wrapped, after_step = build(model, inner)
+        dist.barrier()
+        sent = _tx_bytes()
+        start = time.perf_counter()
+        for step in range(args.steps):
+            x, y = charlm.batch(rank, step, LM_BATCH)
+            inner.zero_grad()
+            charlm.loss(wrapped, x, y).backward()
+            after_step()
+        wall = time.perf_counter() - start
+        sent = _tx_bytes() - sent
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        copies = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(copies, flat)
+        same = all(torch.equal(c, copies[0]) for c in copies)
+        results[name] = {
+            "step_s": wall / args.steps,
+            "sent_per_step": sent / args.steps,
+            "loss": charlm.held_out_loss(model),
+            "same": same,
+        }
+
+    def local(model: nn.Module, inner: Any) -> tuple[Any, Any]:
+        return model, inner.step
+
+    def gloo(model: nn.Module, inner: Any) -> tuple[Any, Any]:
+        return DistributedDataParallel(model), inner.step
+
+    def ddp(compression: str | None) -> Any:
+        def build(model: nn.Module, inner: Any) -> tuple[Any, Any]:
+            wrapped = fg.DDP(model, backend, compression=compression)
+
+            def after() -> None:
+                wrapped.sync_gradients()
+                inner.step()
+
+            return wrapped, after
+
+        return build
+
+    def diloco(fragments: int, compression: str | None) -> Any:
+        def build(model: nn.Module, inner: Any) -> tuple[Any, Any]:
+            d = fg.DiLoCo(
+                model,
+                backend,
+                inner,
+                sync_every=args.sync_every,
+                fragments=fragments,
+                compression=compression,
+            )
+
+            def after() -> None:
+                inner.step()
+                d.step()
+
+            return d, after
+
+        return build
+
+    plans: dict[str, Any] = {
+        "no communication": local,
+        "gloo DDP": gloo,
+        "ferrogrpc DDP": ddp(None),
+        "ferrogrpc DDP int8": ddp("int8"),
+    }
+    h = args.sync_every
+    for fragments in (1, args.fragments):
+        plans[f"DiLoCo H={h} F={fragments} {args.diloco_compression}"] = diloco(
+            fragments, None if args.diloco_compression == "fp32" else args.diloco_compression
+        )
+    for name in args.only or list(plans):
+        run(name, plans[name])
+    if rank == 0:
+        print("RESULT " + json.dumps({"results": results}), flush=True)
+    backend.close()
+    dist.destroy_process_group()
+
+
+def _run(args: argparse.Namespace, link: Link | None) -> Any:
+    """The worker on one rank per host, the hosts' links shaped to ``link``."""
+    names = [f"rank{r}" for r in range(args.world_size)]
+    with network(names, link) as net:
+        hosts = list(net.hosts.values())
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "WORLD_SIZE": str(args.world_size),
+            "MASTER_ADDR": hosts[0].address,
+            "MASTER_PORT": str(FG_PORT),
+        }
+        cmd = [sys.executable, "-m", "client.bench_train_link", "--worker", *args.forward]
+        procs = [
+            subprocess.Popen(
+                host.run(*cmd),
+                # gloo finds its address through the interface, not the hostname.
+                env={**env, "RANK": str(r), "GLOO_SOCKET_IFNAME": host.device},
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for r, host in enumerate(hosts)
+        ]
+        try:
+            return collect(procs, args.timeout, "bench_train_link")
+        finally:
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+
+
+def _report_step(data: dict[str, Any], link: Link, world: int, steps: int) -> None:
+    ranks = data["ranks"]
+    names = list(ranks[0]["times"])
+    slowest = {n: [max(r["times"][n][i] for r in ranks) for i in range(steps)] for n in names}
+    med = {n: statistics.median(v) for n, v in slowest.items()}
+    print(
+        f"# DDP step, MLP {data['params'] / 1e6:.1f}M float32 params, world {world}, "
+        f"link {link}: median of {steps} interleaved steps (slowest rank)"
+    )
+    print(f"{'implementation':<22} {'step s':>8} {'x gloo':>7} {'MB sent/step':>13}")
+    for n in names:
+        mb = statistics.median(ranks[0]["sent"][n]) / 1e6
+        print(f"{n:<22} {med[n]:8.3f} {med[n] / med['gloo DDP']:7.2f} {mb:13.1f}")
+
+
+def _report_lm(data: dict[str, Any], link: Link, world: int, steps: int) -> None:
+    results = data["results"]
+    floor = results.get("no communication", {}).get("step_s")
+    print(
+        f"# char LM (client/charlm.py), world {world}, link {link}, {steps} steps, "
+        f"batch {LM_BATCH}/rank, AdamW lr {LM_LR}"
+    )
+    print(
+        f"{'implementation':<28} {'step s':>8} {'computing':>9} {'MB sent/step':>13} "
+        f"{'x fewer':>8} {'loss':>7} {'same':>5}"
+    )
+    ddp_bytes = results.get("ferrogrpc DDP", {}).get("sent_per_step")
+    for n, r in results.items():
+        share = f"{floor / r['step_s']:9.0%}" if floor else f"{'':>9}"
+        fewer = f"{ddp_bytes / r['sent_per_step']:8.1f}" if ddp_bytes and r["sent_per_step"] else ""
+        print(
+            f"{n:<28} {r['step_s']:8.4f} {share} {r['sent_per_step'] / 1e6:13.3f} "
+            f"{fewer:>8} {r['loss']:7.4f} {r['same']!s:>5}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--link", default="1gbit", help="RATE[,RTT]: 1gbit, 100mbit, ...")
+    parser.add_argument("--what", choices=["step", "lm"], default="step")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=None, help="step: 5; lm: 300")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--sync-every", type=int, default=50)
+    parser.add_argument("--fragments", type=int, default=5)
+    parser.add_argument("--diloco-compression", choices=["fp32", "bf16", "int8"], default="bf16")
+    parser.add_argument("--only", nargs="*", help="lm: only these implementations")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.steps = args.steps if args.steps is not None else (5 if args.what == "step" else 300)
+    if args.worker:
+        (_step_worker if args.what == "step" else _lm_worker)(args)
+        return 0
+    args.forward = [
+        *("--what", args.what, "--steps", str(args.steps), "--warmup", str(args.warmup)),
+        *("--batch", str(args.batch), "--sync-every", str(args.sync_every)),
+        *("--fragments", str(args.fragments), "--diloco-compression", args.diloco_compression),
+        *(("--only", *args.only) if args.only else ()),
+    ]
+    link = Link.parse(args.link)
+    data = _run(args, link)
+    report = _report_step if args.what == "step" else _report_lm
+    report(data, link, args.world_size, args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
