@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import ferrogrpc as fg
-from ferrogrpc.algorithms.quantized import BLOCK
+from ferrogrpc.algorithms import quantized
+from ferrogrpc.algorithms.quantized import BLOCK, ErrorFeedback
 from tests.helpers import backends, on_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,12 +45,18 @@ def bound(inputs: list[torch.Tensor], mean: bool) -> torch.Tensor:
     return per_block.repeat_interleave(BLOCK)[:numel]
 
 
-@pytest.mark.parametrize("numel", [5, 1000, 70_001])
+# (numel, piece): one piece, or (the last) many that pipeline.
+SIZES = [(5, None), (1000, None), (70_001, None), (70_001, 16 * BLOCK)]
+
+
+@pytest.mark.parametrize(("numel", "piece"), SIZES)
 @pytest.mark.parametrize("op", ["sum", "mean"])
 @pytest.mark.parametrize("world", [2, 3])
 async def test_an_int8_all_reduce_is_within_its_bound_and_the_same_everywhere(
-    world: int, op: str, numel: int
+    world: int, op: str, numel: int, piece: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if piece is not None:
+        monkeypatch.setattr(quantized, "PIECE", piece)
     gen = torch.Generator().manual_seed(world * 31 + numel)
     # Ranks of different magnitudes, and blocks of very different ones.
     inputs = [torch.randn(numel, generator=gen) * (r + 1) for r in range(world)]
@@ -105,6 +112,42 @@ async def test_int8_refuses_what_it_cannot_reduce_on_every_rank() -> None:
         ok = [torch.full((300,), float(r + 1)) for r in range(2)]
         await asyncio.gather(*(_int8(p, t) for p, t in zip(peers, ok, strict=True)))
         assert torch.allclose(ok[0], torch.full((300,), 3.0), rtol=1e-2)
+
+
+@pytest.mark.parametrize("piece", [None, 4 * BLOCK])
+async def test_error_feedback_loses_nothing_over_the_calls(
+    piece: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same inputs, reduced T times with feedback: the mean of the results
+    is within one call's bound / T of the exact mean (what was rounded away
+    is carried, not lost), where each result alone is not."""
+    if piece is not None:
+        monkeypatch.setattr(quantized, "PIECE", piece)
+    world, calls, numel = 2, 25, 3000
+    gen = torch.Generator().manual_seed(5)
+    inputs = [torch.randn(numel, generator=gen) * 0.01 for _ in range(world)]
+    for t in inputs:
+        t[::BLOCK] = 5.0  # a large value in every block: small ones round to 0
+    feedbacks = [ErrorFeedback(exact=3) for _ in range(world)]
+    total = torch.zeros(numel, dtype=torch.float64)
+    async with fg.testing.local_group(world, transport="grpc") as peers:
+        for _ in range(calls):
+            out = [t.clone() for t in inputs]
+            await asyncio.gather(
+                *(
+                    p.all_reduce(t, "mean", wire_dtype=torch.int8, feedback=f)
+                    for p, t, f in zip(peers, out, feedbacks, strict=True)
+                )
+            )
+            total += out[0].double()
+    exact = torch.stack([t.double() for t in inputs]).mean(0)
+    once = bound(inputs, mean=True)
+    err = (total / calls - exact).abs()
+    limit = 2 * once[:-3] / calls
+    assert bool((err[:-3] <= limit).all()), float((err[:-3] - limit).max())
+    single = (out[0].double() - exact).abs()
+    assert float(single.max()) > 4 * float(limit.max())  # one call alone is far off
+    assert float(err[-3:].max()) < 1e-6  # the exact tail
 
 
 # A linear model on features of very different scales: feature 0's

@@ -56,6 +56,7 @@ from ..ops import ReduceOp
 
 BLOCK = 256  # elements per scale
 CHUNK = 4096 * BLOCK  # elements rounded at a time (bounds the scratch memory)
+PIECE = 4 * CHUNK  # elements of a tensor's pieces, which pipeline (16 MiB of float32)
 _QMAX = 127.0
 _SCALE_BYTES = 4  # one float32 per block
 _TINY = 1e-30  # a block whose scale is below this is sent as zeros
@@ -138,6 +139,8 @@ class ErrorFeedback:
     # dtype, and carry no error (DDP's "had a gradient" flags): every rank
     # sends them to every rank, and each adds them in rank order.
     exact: int = 0
+    # A tensor sent in pieces: each piece's own (see :meth:`split`).
+    parts: list[ErrorFeedback] = dataclasses.field(default_factory=list)
 
     def fits(self, padded: int, shard: int, world: int, like: torch.Tensor) -> None:
         """Start again from zero unless the last call had this layout."""
@@ -156,6 +159,15 @@ class ErrorFeedback:
     def reset(self) -> None:
         self.sent = self.owned = None
         self.world = 0
+        self.parts = []
+
+    def split(self, count: int) -> list[ErrorFeedback]:
+        """The feedback of each of a tensor's ``count`` pieces (the exact tail
+        is the last piece's), kept while the count stays."""
+        if len(self.parts) != count:
+            self.parts = [ErrorFeedback() for _ in range(count)]
+        self.parts[-1].exact = self.exact
+        return self.parts
 
 
 class Collectives(Protocol):
@@ -183,10 +195,50 @@ def all_reduce_int8(
     feedback: ErrorFeedback | None = None,
 ) -> Coroutine[Any, Any, torch.Tensor]:
     """The int8 all-reduce of [Note: int8 all-reduce], in place on ``tensor``
-    (float32 or float64, SUM or MEAN; the caller checked). Its two
-    collectives take their sequence numbers now, in call order, like any
-    other; the rounding runs off the event loop, a CHUNK at a time. Returns
-    ``tensor``; on failure ``tensor`` is unchanged and ``feedback`` reset."""
+    (float32 or float64, SUM or MEAN; the caller checked), in pieces of at
+    most PIECE elements that pipeline: a piece's exchange is on the wire
+    while the next one is rounded and the last one's result is summed or
+    written. Every piece's collectives take their sequence numbers now, in
+    call order. Returns ``tensor``; on failure its contents are unspecified
+    (some pieces done) and ``feedback`` is reset."""
+    exact = min(feedback.exact, tensor.numel()) if feedback is not None else 0
+    numel = tensor.numel() - exact
+    count = max(1, -(-numel // PIECE))
+    if count == 1:
+        return _all_reduce_piece(peer, tensor, op, feedback)
+    flat = tensor.detach().reshape(-1)
+    direct = flat.device.type == "cpu" and tensor.is_contiguous()
+    work = flat if direct else flat.to("cpu", copy=True)
+    parts = feedback.split(count) if feedback is not None else [None] * count
+    pieces = []
+    for i in range(count):
+        lo, hi = i * PIECE, (i + 1) * PIECE if i + 1 < count else tensor.numel()
+        pieces.append(_all_reduce_piece(peer, work[lo:hi], op, parts[i]))
+
+    async def run() -> torch.Tensor:
+        results = await asyncio.gather(*pieces, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                if feedback is not None:
+                    feedback.reset()
+                raise result
+        if not direct:
+            with torch.no_grad():
+                tensor.copy_(work.view(tensor.shape))
+        return tensor
+
+    return run()
+
+
+def _all_reduce_piece(
+    peer: Collectives,
+    tensor: torch.Tensor,
+    op: ReduceOp,
+    feedback: ErrorFeedback | None,
+) -> Coroutine[Any, Any, torch.Tensor]:
+    """One piece of :func:`all_reduce_int8`: an all-to-all and an
+    all-gather; the rounding runs off the event loop, a CHUNK at a time. On
+    failure ``tensor`` is unchanged and ``feedback`` reset."""
     world, rank = peer.world_size, peer.rank
     exact = min(feedback.exact, tensor.numel()) if feedback is not None else 0
     numel = tensor.numel() - exact
