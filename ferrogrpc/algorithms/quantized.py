@@ -57,6 +57,7 @@ from ..ops import ReduceOp
 BLOCK = 256  # elements per scale
 CHUNK = 4096 * BLOCK  # elements rounded at a time (bounds the scratch memory)
 PIECE = 4 * CHUNK  # elements of a tensor's pieces, which pipeline (16 MiB of float32)
+IN_FLIGHT = 2  # pieces exchanged at a time
 _QMAX = 127.0
 _SCALE_BYTES = 4  # one float32 per block
 _TINY = 1e-30  # a block whose scale is below this is sent as zeros
@@ -216,7 +217,15 @@ def all_reduce_int8(
         pieces.append(_all_reduce_piece(peer, work[lo:hi], op, parts[i]))
 
     async def run() -> torch.Tensor:
-        results = await asyncio.gather(*pieces, return_exceptions=True)
+        # Two pieces at a time: one's all-gather is not queued behind every
+        # later piece's all-to-all on the link.
+        window = asyncio.Semaphore(IN_FLIGHT)
+
+        async def piece(coro: Coroutine[Any, Any, torch.Tensor]) -> torch.Tensor:
+            async with window:
+                return await coro
+
+        results = await asyncio.gather(*(piece(c) for c in pieces), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 if feedback is not None:

@@ -310,7 +310,9 @@ class DDP(nn.Module):
                 bucket.feedback = ErrorFeedback(exact=len(bucket.params))
             feedback = bucket.feedback
         # Chained: one bucket at a time, each starting when the previous is done.
-        after = self._last_work if chain else None
+        # (int8 buckets are not chained: each has CPU phases, rounding and
+        # summing, during which another bucket's bytes can use the link.)
+        after = self._last_work if chain and feedback is None else None
         try:
             bucket.work = self._backend.all_reduce(
                 buf, "mean", async_op=True, after=after, wire_dtype=wire, feedback=feedback
@@ -427,7 +429,8 @@ class DDP(nn.Module):
         With overlap on, this waits for the buckets already started during
         backward and starts the rest; with overlap off, it all-reduces the
         buckets one after another. Either way one bucket is on the wire at a
-        time, in bucket order. On failure it raises and leaves every
+        time, in bucket order (with ``compression="int8"``, buckets start in
+        bucket order and may overlap). On failure it raises and leaves every
         ``.grad`` as it was.
         """
         self._finish("chained" if self.overlap else "in_turn")
