@@ -66,6 +66,16 @@ GLOO_PORT, FG_PORT = 29500, 29600
 # Every call starts this long after rank 0 leaves a barrier, plus two round
 # trips: past the other ranks' exits and the broadcast of the instant.
 START_LEAD_S = 0.02
+# The bench sets each rank's rendezvous and addresses itself; the other
+# FERROGRPC_* options of its environment (chunk size, lanes, checksum...)
+# pass to the ranks, and the report names them.
+NOT_PASSED = frozenset(
+    {
+        *("MASTER_ADDR", "MASTER_PORT", "FERROGRPC_COORDINATOR", "FERROGRPC_PORT"),
+        *("FERROGRPC_BIND_HOST", "FERROGRPC_ADVERTISE_HOST", "FERROGRPC_ELASTIC"),
+        "FERROGRPC_MIN_WORLD_SIZE",
+    }
+)
 # A delayer that reaches less than this share of the link's rate limits it.
 DELAYER_MARGIN = 1.0
 # The delayer's streams, in link ceiling streams' lengths.
@@ -223,8 +233,16 @@ def _rank_env(rank: int, world: int, device: str) -> dict[str, str]:
         # addresses (the namespaces have no DNS).
         TORCH_CPP_LOG_LEVEL="ERROR",
     )
-    # The rendezvous and the options are the command line's, not this shell's.
-    return {k: v for k, v in env.items() if not k.startswith(("FERROGRPC_", "MASTER_"))}
+    return {k: v for k, v in env.items() if k not in NOT_PASSED}
+
+
+def _fg_options() -> list[str]:
+    """The FERROGRPC_* options of this environment that the ranks get."""
+    return sorted(
+        f"{k}={v}"
+        for k, v in os.environ.items()
+        if k.startswith("FERROGRPC_") and k not in NOT_PASSED
+    )
 
 
 def run_world(
@@ -453,9 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.world_sizes) < 2:
         parser.error("--world-sizes: at least 2 (one rank per host)")
     print(
-        f"ferrogrpc bench --link: all_reduce float32, gloo and ferrogrpc (checksum on, its "
-        f"defaults), one rank per network namespace, sizes "
-        f"{', '.join(fmt_size(s) for s in args.sizes)}, {os.cpu_count()} CPUs",
+        "ferrogrpc bench --link: all_reduce float32, gloo and ferrogrpc "
+        f"({', '.join(_fg_options()) or 'its defaults: checksum on'}), one rank per network "
+        f"namespace, sizes {', '.join(fmt_size(s) for s in args.sizes)}, {os.cpu_count()} CPUs",
         flush=True,
     )
     good = True
