@@ -31,28 +31,19 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import time
 from typing import Any
 
-from client.common import collect, rotated
-from client.netlab import ROOT, Link, network
+from client.common import checkout_env, collect, rotated
+from client.netlab import Link, network, tx_bytes
 
 GLOO_PORT, FG_PORT = 29500, 29600
 LM_BATCH = 64
 LM_LR = 2e-3
-
-
-def _tx_bytes() -> int:
-    """Bytes this host's links sent (every device but loopback)."""
-    total = 0
-    for dev in os.listdir("/sys/class/net"):
-        if dev != "lo":
-            with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as f:
-                total += int(f.read())
-    return total
 
 
 def _setup() -> tuple[int, int, Any]:
@@ -101,14 +92,14 @@ def _step_worker(args: argparse.Namespace) -> None:
     def step(name: str) -> tuple[float, int]:
         module, sync = candidates[name]
         dist.barrier()
-        sent = _tx_bytes()
+        sent = tx_bytes()
         start = time.perf_counter()
         opts[name].zero_grad()
         nn.functional.mse_loss(module(x), y).backward()  # type: ignore[no-untyped-call]
         if sync is not None:
             sync()
         opts[name].step()
-        return time.perf_counter() - start, _tx_bytes() - sent
+        return time.perf_counter() - start, tx_bytes() - sent
 
     for name in candidates:
         for _ in range(args.warmup):
@@ -147,7 +138,7 @@ def _lm_worker(args: argparse.Namespace) -> None:
         inner = torch.optim.AdamW(model.parameters(), lr=LM_LR)
         wrapped, after_step = build(model, inner)
         dist.barrier()
-        sent = _tx_bytes()
+        sent = tx_bytes()
         start = time.perf_counter()
         for step in range(args.steps):
             x, y = charlm.batch(rank, step, LM_BATCH)
@@ -155,7 +146,7 @@ def _lm_worker(args: argparse.Namespace) -> None:
             charlm.loss(wrapped, x, y).backward()
             after_step()
         wall = time.perf_counter() - start
-        sent = _tx_bytes() - sent
+        sent = tx_bytes() - sent
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         copies = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(copies, flat)
@@ -228,14 +219,12 @@ def _run(args: argparse.Namespace, link: Link | None) -> Any:
     names = [f"rank{r}" for r in range(args.world_size)]
     with network(names, link) as net:
         hosts = list(net.hosts.values())
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "OMP_NUM_THREADS": "1",
-            "WORLD_SIZE": str(args.world_size),
-            "MASTER_ADDR": hosts[0].address,
-            "MASTER_PORT": str(FG_PORT),
-        }
+        env = checkout_env(
+            OMP_NUM_THREADS="1",
+            WORLD_SIZE=str(args.world_size),
+            MASTER_ADDR=hosts[0].address,
+            MASTER_PORT=str(FG_PORT),
+        )
         cmd = [sys.executable, "-m", "client.bench_train_link", "--worker", *args.forward]
         procs = [
             subprocess.Popen(
@@ -319,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         *(("--only", *args.only) if args.only else ()),
     ]
     link = Link.parse(args.link)
+    # A SIGTERM (timeout, a CI's cancel) unwinds, so the namespaces go too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     data = _run(args, link)
     report = _report_step if args.what == "step" else _report_lm
     report(data, link, args.world_size, args.steps)
