@@ -44,10 +44,12 @@ carried error starts again from zero.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import collections
 import contextlib
 import dataclasses
-from collections.abc import Coroutine
+import threading
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 import torch
@@ -61,10 +63,46 @@ IN_FLIGHT = 2  # pieces exchanged at a time
 _QMAX = 127.0
 _SCALE_BYTES = 4  # one float32 per block
 _TINY = 1e-30  # a block whose scale is below this is sent as zeros
-# Rounds the inputs of int8 all-reduces in call order, off the callers'
-# threads and the event loop (one thread: torch's kernels run in parallel
-# inside it, and the calls come one bucket at a time).
-_ROUNDER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ferrogrpc-int8")
+
+
+class _Rounder:
+    """Runs the rounding of int8 all-reduces in call order, off the callers'
+    threads and the event loop, on one thread that exists only while there
+    is work (no thread outlives a run)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: collections.deque[tuple[Callable[[], None], Future[None]]] = (
+            collections.deque()
+        )
+        self._running = False
+
+    def submit(self, fn: Callable[[], None]) -> Future[None]:
+        future: Future[None] = Future()
+        with self._lock:
+            self._queue.append((fn, future))
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._drain, name="ferrogrpc-int8", daemon=True).start()
+        return future
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._running = False
+                    return
+                fn, future = self._queue.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    fn()
+                except BaseException as exc:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(None)
+
+
+_ROUNDER = _Rounder()
 
 
 def packed_bytes(elements: int) -> int:
