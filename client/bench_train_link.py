@@ -20,7 +20,9 @@ the same start: gloo DDP, ferrogrpc DDP (float32 and int8), and DiLoCo
 (``sync_every`` H = 50, AdamW inside, with and without fragments). Reported
 per implementation: the wall time per step, the share of it spent
 computing (the model trained alone, in the same run, over the
-implementation's step: what is not blocked on the exchange), the bytes each
+implementation's step: this also counts the CPU an exchange in the
+background takes from the inner steps), the share not blocked on the
+exchange (outside ``sync_gradients()`` or ``diloco.step()``), the bytes each
 rank's link sent per step, and the held-out loss at the end (nats per
 character). Every rank's final parameters are checked equal.
 """
@@ -139,12 +141,14 @@ def _lm_worker(args: argparse.Namespace) -> None:
         wrapped, after_step = build(model, inner)
         dist.barrier()
         sent = tx_bytes()
+        blocked: float | None = 0.0
         start = time.perf_counter()
         for step in range(args.steps):
             x, y = charlm.batch(rank, step, LM_BATCH)
             inner.zero_grad()
-            charlm.loss(wrapped, x, y).backward()
-            after_step()
+            charlm.loss(wrapped, x, y).backward()  # type: ignore[no-untyped-call]
+            waited = after_step()
+            blocked = None if waited is None or blocked is None else blocked + waited
         wall = time.perf_counter() - start
         sent = tx_bytes() - sent
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -153,24 +157,38 @@ def _lm_worker(args: argparse.Namespace) -> None:
         same = all(torch.equal(c, copies[0]) for c in copies)
         results[name] = {
             "step_s": wall / args.steps,
+            "blocked": None if blocked is None else blocked / wall,
             "sent_per_step": sent / args.steps,
             "loss": charlm.held_out_loss(model),
             "same": same,
         }
 
+    # Each plan returns the model to call and what follows backward, which
+    # returns the seconds it was blocked on the exchange (None: not
+    # separable, gloo DDP's all-reduces run inside backward).
     def local(model: nn.Module, inner: Any) -> tuple[Any, Any]:
-        return model, inner.step
+        def after() -> float:
+            inner.step()
+            return 0.0
+
+        return model, after
 
     def gloo(model: nn.Module, inner: Any) -> tuple[Any, Any]:
-        return DistributedDataParallel(model), inner.step
+        def after() -> None:
+            inner.step()
+
+        return DistributedDataParallel(model), after
 
     def ddp(compression: str | None) -> Any:
         def build(model: nn.Module, inner: Any) -> tuple[Any, Any]:
             wrapped = fg.DDP(model, backend, compression=compression)
 
-            def after() -> None:
+            def after() -> float:
+                t = time.perf_counter()
                 wrapped.sync_gradients()
+                waited = time.perf_counter() - t
                 inner.step()
+                return waited
 
             return wrapped, after
 
@@ -183,13 +201,17 @@ def _lm_worker(args: argparse.Namespace) -> None:
                 backend,
                 inner,
                 sync_every=args.sync_every,
+                outer_lr=args.outer_lr,
+                outer_momentum=args.outer_momentum,
                 fragments=fragments,
                 compression=compression,
             )
 
-            def after() -> None:
+            def after() -> float:
                 inner.step()
+                t = time.perf_counter()
                 d.step()
+                return time.perf_counter() - t
 
             return d, after
 
@@ -259,23 +281,27 @@ def _report_step(data: dict[str, Any], link: Link, world: int, steps: int) -> No
         print(f"{n:<22} {med[n]:8.3f} {med[n] / med['gloo DDP']:7.2f} {mb:13.1f}")
 
 
-def _report_lm(data: dict[str, Any], link: Link, world: int, steps: int) -> None:
+def _report_lm(
+    data: dict[str, Any], link: Link, world: int, steps: int, args: argparse.Namespace
+) -> None:
     results = data["results"]
     floor = results.get("no communication", {}).get("step_s")
     print(
         f"# char LM (client/charlm.py), world {world}, link {link}, {steps} steps, "
-        f"batch {LM_BATCH}/rank, AdamW lr {LM_LR}"
+        f"batch {LM_BATCH}/rank, AdamW lr {LM_LR}, DiLoCo outer lr {args.outer_lr} momentum "
+        f"{args.outer_momentum}"
     )
     print(
-        f"{'implementation':<28} {'step s':>8} {'computing':>9} {'MB sent/step':>13} "
-        f"{'x fewer':>8} {'loss':>7} {'same':>5}"
+        f"{'implementation':<28} {'step s':>8} {'computing':>9} {'unblocked':>9} "
+        f"{'MB sent/step':>13} {'x fewer':>8} {'loss':>7} {'same':>5}"
     )
     ddp_bytes = results.get("ferrogrpc DDP", {}).get("sent_per_step")
     for n, r in results.items():
         share = f"{floor / r['step_s']:9.0%}" if floor else f"{'':>9}"
+        free = f"{1 - r['blocked']:9.0%}" if r["blocked"] is not None else f"{'n/a':>9}"
         fewer = f"{ddp_bytes / r['sent_per_step']:8.1f}" if ddp_bytes and r["sent_per_step"] else ""
         print(
-            f"{n:<28} {r['step_s']:8.4f} {share} {r['sent_per_step'] / 1e6:13.3f} "
+            f"{n:<28} {r['step_s']:8.4f} {share} {free} {r['sent_per_step'] / 1e6:13.3f} "
             f"{fewer:>8} {r['loss']:7.4f} {r['same']!s:>5}"
         )
 
@@ -293,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-every", type=int, default=50)
     parser.add_argument("--fragments", type=int, default=5)
     parser.add_argument("--diloco-compression", choices=["fp32", "bf16", "int8"], default="bf16")
+    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--only", nargs="*", help="lm: only these implementations")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -305,14 +333,17 @@ def main(argv: list[str] | None = None) -> int:
         *("--what", args.what, "--steps", str(args.steps), "--warmup", str(args.warmup)),
         *("--batch", str(args.batch), "--sync-every", str(args.sync_every)),
         *("--fragments", str(args.fragments), "--diloco-compression", args.diloco_compression),
+        *("--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum)),
         *(("--only", *args.only) if args.only else ()),
     ]
     link = Link.parse(args.link)
     # A SIGTERM (timeout, a CI's cancel) unwinds, so the namespaces go too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     data = _run(args, link)
-    report = _report_step if args.what == "step" else _report_lm
-    report(data, link, args.world_size, args.steps)
+    if args.what == "step":
+        _report_step(data, link, args.world_size, args.steps)
+    else:
+        _report_lm(data, link, args.world_size, args.steps, args)
     return 0
 
 

@@ -47,7 +47,8 @@ class CharMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(self.embed(x).flatten(1))
+        out: torch.Tensor = self.body(self.embed(x).flatten(1))
+        return out
 
 
 def build(seed: int = 0, hidden: int = HIDDEN) -> CharMLP:
