@@ -246,3 +246,30 @@ def test_ddp_int8_keeps_the_unused_parameter_rules(dtype: torch.dtype) -> None:
         # rank 0's gradient is 2 everywhere; the mean with rank 1's zeros is 1.
         assert torch.allclose(used_grad, torch.ones(1, 4, dtype=dtype), rtol=1e-2)
     assert torch.equal(results[0][0], results[1][0])  # type: ignore[arg-type]
+
+
+def test_an_int8_all_reduce_whose_peer_closes_fails_and_resets_the_feedback() -> None:
+    """A peer gone mid-call: the other rank's int8 all-reduce raises PeerError
+    (no hang), and its carried error starts again from zero."""
+    timeouts = fg.Timeouts(collective=30, idle=5, connect=30)
+    b0, b1 = backends(2, timeouts=timeouts)
+    try:
+        feedback = ErrorFeedback()
+        warm = [torch.randn(5000) for _ in range(2)]
+        on_ranks(
+            lambda r: (b0, b1)[r].all_reduce(
+                warm[r], "mean", wire_dtype=torch.int8, feedback=feedback if r == 0 else None
+            ),
+            2,
+        )
+        assert feedback.sent is not None  # carried after a call that succeeded
+        work = b0.all_reduce(
+            torch.randn(1 << 20), "mean", async_op=True, wire_dtype=torch.int8, feedback=feedback
+        )
+        b1.close()
+        with pytest.raises(fg.PeerError):
+            work.wait()
+        assert feedback.sent is None and feedback.parts == []
+    finally:
+        b0.close()
+        b1.close()
