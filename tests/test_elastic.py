@@ -27,7 +27,7 @@ from ferrogrpc.control.membership import ElasticMembership, QuorumLostInRound
 from ferrogrpc.elastic.state import _messages, _stripes
 from ferrogrpc.v1 import rendezvous_pb2 as rpb
 
-from .helpers import RANKS, ROOT, free_port
+from .helpers import RANKS, ROOT, Forked, free_port, spawn_rank
 
 sys.path.insert(0, str(RANKS))
 import elastic_train
@@ -205,7 +205,7 @@ class Run:
             **env,
         }
         self.coordinator: subprocess.Popen[bytes] | None = None
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[Forked] = []
         self.start_coordinator()
         for _ in range(world):
             self.start_rank()
@@ -223,33 +223,31 @@ class Run:
             stderr=subprocess.STDOUT,
         )
 
-    def start_rank(self) -> subprocess.Popen[bytes]:
-        n = len(self.procs)
-        proc = subprocess.Popen(
-            [sys.executable, str(RANKS / "elastic_train.py")],
-            env=self.env,
-            stdout=open(self.tmp / f"p{n}.log", "wb"),  # noqa: SIM115
-            stderr=subprocess.STDOUT,
-        )
+    def start_rank(self) -> Forked:
+        # A fork of the tests' zygote, which imported torch already.
+        proc = spawn_rank("elastic_train.py", env=self.env)
         self.procs.append(proc)
         return proc
 
     def lines(self, n: int | None = None) -> list[dict[str, Any]]:
-        files = [self.tmp / f"p{n}.log"] if n is not None else sorted(self.tmp.glob("p*.log"))
         out = []
-        for f in files:
-            for line in f.read_text(errors="replace").splitlines():
+        for i in [n] if n is not None else range(len(self.procs)):
+            text = self.procs[i].stdout
+            complete = text[: text.rfind("\n") + 1]  # not a line still being written
+            for line in complete.splitlines():
                 if line.startswith("{"):
                     d = json.loads(line)
-                    d["proc"] = int(f.stem[1:])
+                    d["proc"] = i
                     out.append(d)
         return out
 
     def output(self) -> str:
-        return "\n".join(
+        ranks = [f"--- rank process {i}\n{p.stdout[-3000:]}" for i, p in enumerate(self.procs)]
+        files = [
             f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}"
             for f in sorted(self.tmp.glob("*.log"))
-        )
+        ]
+        return "\n".join(files + ranks)
 
     def wait_for(self, what: Callable[[], Any], timeout: float, why: str) -> Any:
         deadline = time.monotonic() + timeout
