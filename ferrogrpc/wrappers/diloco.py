@@ -162,9 +162,10 @@ class DiLoCo:
     sync runs in ``step()`` and blocks, and local parameters become the
     new global ones.
 
-    Compression: the pseudo-gradients cross gRPC narrowed (ranks that
-    share a host exchange full precision through shared memory; buffers
-    always travel at full precision). Per sync and element, with W ranks
+    Compression: the pseudo-gradients travel narrowed ("bf16" over gRPC
+    only: ranks that share a host exchange full precision through shared
+    memory; "int8" on every path; buffers always travel at full
+    precision). Per sync and element, with W ranks
     and ``delta_r`` rank r's pseudo-gradient, the averaged one is within
     ``W * 2**-8 * mean_r |delta_r|`` of the exact mean with ``"bf16"``
     (``wire_dtype=torch.bfloat16``), and within
