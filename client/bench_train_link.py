@@ -322,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--only", nargs="*", help="lm: only these implementations")
+    parser.add_argument("--json", help="also write the ranks' figures to this file")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -340,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     # A SIGTERM (timeout, a CI's cancel) unwinds, so the namespaces go too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     data = _run(args, link)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f)
     if args.what == "step":
         _report_step(data, link, args.world_size, args.steps)
     else:
