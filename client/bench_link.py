@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -465,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("ferrogrpc bench --link needs root (ip netns, tc, iptables)", file=sys.stderr)
         return 2
+    # A SIGTERM (timeout, a CI's cancel) unwinds, so the namespaces go too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     links = args.link or [Link.parse(text) for text in DEFAULT_LINKS]
     if any(link.rate == 0 for link in links):
         parser.error("--link needs a rate")
