@@ -31,21 +31,22 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def pair() -> Iterator[list[fg.Backend]]:
+def _group(world: int) -> Iterator[list[fg.Backend]]:
     # shm=False: the pseudo-gradients cross gRPC, where a wire dtype applies.
-    group = backends(2, shm=False)
+    group = backends(world, shm=False)
     yield group
     for b in group:
         b.close()
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[list[fg.Backend]]:
+    yield from _group(2)
 
 
 @pytest.fixture(scope="module")
 def trio() -> Iterator[list[fg.Backend]]:
-    group = backends(3, shm=False)
-    yield group
-    for b in group:
-        b.close()
+    yield from _group(3)
 
 
 def make_model(seed: int, with_bn: bool = False) -> nn.Module:

@@ -19,7 +19,7 @@ from ..errors import ConfigError, FerroGrpcError
 from ..ops import SUPPORTED_DTYPES
 from ..runtime.backend import Backend
 from ..runtime.work import Work
-from .fingerprint import check_same_model
+from .fingerprint import broadcast_in_place, check_same_model
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 COMPRESSION: dict[str | None, torch.dtype | None] = {
@@ -459,20 +459,7 @@ class DDP(nn.Module):
         (the Parameter objects stay the same, so an optimizer built earlier
         stays valid). A collective: every rank must call it."""
         tensors = [p for p in self.module.parameters()] + [b for b in self.module.buffers()]
-        groups: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            groups.setdefault(t.dtype, []).append(t)
-        for dtype in sorted(groups, key=str):
-            group = groups[dtype]
-            wire = dtype if dtype in SUPPORTED_DTYPES else torch.int64
-            flat = torch.cat([t.detach().reshape(-1).to(wire) for t in group])
-            self._backend.broadcast(flat, root)
-            offset = 0
-            with torch.no_grad():
-                for t in group:
-                    n = t.numel()
-                    t.copy_(flat[offset : offset + n].view(t.shape).to(dtype))
-                    offset += n
+        broadcast_in_place(self._backend, tensors, root)
 
     # ---------------------------------------------------------- module API
 

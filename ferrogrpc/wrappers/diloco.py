@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from ..ops import SUPPORTED_DTYPES
 from ..runtime.backend import Backend
 from ..runtime.work import Work
-from .fingerprint import check_same_model
+from .fingerprint import broadcast_in_place, check_same_model, unflatten_into
 
 COMPRESSION: dict[str | None, torch.dtype | None] = {
     None: None,
@@ -311,7 +311,9 @@ class DiLoCo:
                 f"compression={compression!r}",
             ],
         )
-        _broadcast_from_rank0(model, backend)
+        # Rank 0's parameters and buffers everywhere, in place (the Parameter
+        # objects stay, so the inner optimizer stays valid).
+        broadcast_in_place(backend, [*model.parameters(), *model.buffers()], 0)
         starts = split_by_bytes([p.numel() * p.element_size() for _, p in trainable], fragments)
         self._fragments = [
             _make_fragment(trainable[lo:hi])
@@ -412,7 +414,7 @@ class DiLoCo:
                 averaged = exchange.buffers
                 if exchange.buffers_at_start is not None:
                     averaged = _flat(self._buffers).sub_(exchange.buffers_at_start).add_(averaged)
-                _unflatten(averaged, self._buffers)
+                unflatten_into(averaged, self._buffers)
 
     # ----------------------------------------------------------- state
 
@@ -571,34 +573,11 @@ def _make_fragment(named: list[tuple[str, nn.Parameter]]) -> _Fragment:
     return fragment
 
 
-def _broadcast_from_rank0(model: nn.Module, backend: Backend) -> None:
-    """Every parameter and buffer takes rank 0's values, in place (the
-    Parameter objects stay, so the inner optimizer stays valid); one
-    broadcast per dtype and device."""
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    for key in sorted(groups, key=str):
-        group = groups[key]
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        backend.broadcast(flat, 0)
-        _unflatten(flat, group)
-
-
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     dtype = torch.float32
     for t in tensors:
         dtype = torch.promote_types(dtype, t.dtype)
     return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
-
-
-def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    offset = 0
-    with torch.no_grad():
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view(t.shape))
-            offset += n
 
 
 def _clone(t: torch.Tensor | None) -> torch.Tensor | None:

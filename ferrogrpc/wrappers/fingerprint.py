@@ -1,17 +1,20 @@
 """The model fingerprint check both wrappers run when they are built: the
 ranks must wrap the same parameters (names, shapes, dtypes) and, where the
 wrapper has one, the same layout, or every rank raises a ConfigError naming
-the first difference."""
+the first difference. And the tensors' start, which both take from one
+rank: :func:`broadcast_in_place`."""
 
 from __future__ import annotations
 
 import json
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..ops import SUPPORTED_DTYPES
 
 
 class Gathers(Protocol):
@@ -71,3 +74,36 @@ def check_same_model(
                     world_size=backend.world_size,
                     peer=other_rank,
                 )
+
+
+class Broadcasts(Protocol):
+    """What :func:`broadcast_in_place` needs of a Backend."""
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Any: ...
+
+
+def broadcast_in_place(backend: Broadcasts, tensors: Sequence[torch.Tensor], root: int) -> None:
+    """``root``'s values of ``tensors`` on every rank, in place: one broadcast
+    per dtype and device, in a fixed order (a dtype no collective carries
+    travels as int64). A collective: every rank must call it with the same
+    tensors."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for key in sorted(groups, key=str):
+        group = groups[key]
+        wire = key[0] if key[0] in SUPPORTED_DTYPES else torch.int64
+        flat = torch.cat([t.detach().reshape(-1).to(wire) for t in group])
+        backend.broadcast(flat, root)
+        unflatten_into(flat, group)
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive runs of ``flat`` into ``tensors``, in place, each
+    converted to its own dtype."""
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view(t.shape).to(t.dtype))
+            offset += n
