@@ -55,6 +55,11 @@ MAX_RANKS_ENV: Final = "FERROGRPC_MAX_RANKS"
 ELASTIC_ENV: Final = "FERROGRPC_ELASTIC"
 MIN_WORLD_SIZE_ENV: Final = "FERROGRPC_MIN_WORLD_SIZE"
 HEARTBEAT_TIMEOUT_ENV: Final = "FERROGRPC_HEARTBEAT_TIMEOUT"
+# Observability (observe/): Prometheus metrics per rank, the trace's
+# directory, and where the flight recorder dumps when a rank breaks.
+METRICS_PORT_ENV: Final = "FERROGRPC_METRICS_PORT"
+TRACE_ENV: Final = "FERROGRPC_TRACE"
+FLIGHT_DIR_ENV: Final = "FERROGRPC_FLIGHT_DIR"
 # glibc's own: a user who set these capped the arenas themselves.
 GLIBC_ARENA_ENV: Final = "MALLOC_ARENA_MAX"
 GLIBC_TUNABLES_ENV: Final = "GLIBC_TUNABLES"
@@ -155,6 +160,10 @@ class Settings:
     # the scheduler starves (two CPU burners on two cores) still beats well
     # within it, and a stopped one is removed within 3 s.
     heartbeat_timeout: float = 2.0
+    # None: no metrics (off by default); 0: an ephemeral port.
+    metrics_port: int | None = None
+    trace_dir: str | None = None
+    flight_dir: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -177,6 +186,9 @@ class Settings:
         min_world = _int(env, MIN_WORLD_SIZE_ENV)
         if min_world is not None and min_world < 1:
             raise ConfigError(f"{MIN_WORLD_SIZE_ENV}={min_world} must be 1 or more")
+        metrics_port = _int(env, METRICS_PORT_ENV)
+        if metrics_port is not None and not 0 <= metrics_port < 65536:
+            raise ConfigError(f"{METRICS_PORT_ENV}={metrics_port} is not a port (0 to 65535)")
         threads = _int(env, REDUCE_THREADS_ENV)
         if threads is not None and threads < 0:
             raise ConfigError(f"{REDUCE_THREADS_ENV}={threads} must be 0 or more")
@@ -208,6 +220,9 @@ class Settings:
             elastic=_switch(env, ELASTIC_ENV, False),
             min_world_size=1 if min_world is None else min_world,
             heartbeat_timeout=heartbeat,
+            metrics_port=metrics_port,
+            trace_dir=env.get(TRACE_ENV) or None,
+            flight_dir=env.get(FLIGHT_DIR_ENV) or None,
             user_arena_max=GLIBC_ARENA_ENV in env or "arena_max" in env.get(GLIBC_TUNABLES_ENV, ""),
         )
 

@@ -14,11 +14,11 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal
 
-from .algorithms.context import Stats
 from .control.launch import free_port, spawn_ranks
 from .control.rendezvous import LocalRendezvous
 from .env import resolve_checksum
 from .errors import FerroGrpcError
+from .observe.stats import Stats
 from .ops import kind_name
 from .options import ChunkPolicy, Timeouts, TLSConfig
 from .runtime.allocator import tune_allocator

@@ -103,7 +103,8 @@ LAYERS: list[set[str]] = [
     {"errors", "ops", "options", "counter", "lifecycle"},
     {"transport"},  # gRPC streams, auth, the wire framing, integrity
     {"env"},  # the environment, read once
-    {"failure", "samehost", "control"},  # policy and watchdog; same-host plane; rendezvous
+    # policy and watchdog; same-host plane; rendezvous; what a rank saw
+    {"failure", "samehost", "control", "observe"},
     {"algorithms"},  # how one collective runs
     {"runtime"},  # the engine, the peer, the backend, joining
     {"elastic"},  # groups whose membership changes: epochs, the joiners' state

@@ -11,21 +11,11 @@ import dataclasses
 
 from ..errors import Identity
 from ..failure.policy import FailurePolicy
+from ..observe.stats import Stats
 from ..options import Timeouts
 from ..transport.integrity import Checksum
 from ..transport.streams import Transport
 from .mailboxes import Mailboxes
-
-
-@dataclasses.dataclass
-class Stats:
-    """Bytes this peer moved, for throughput reports: over the transport
-    (sent, received), and read from other ranks' shared segments (local)."""
-
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    bytes_local: int = 0
-    collectives: int = 0
 
 
 @dataclasses.dataclass

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..errors import FerroGrpcError
+from ..observe.flight import Entry
 from ..ops import ReduceOp
 from ..v1 import collective_pb2 as pb
 from .staging import Stage
@@ -88,6 +89,8 @@ class Job:
     task: asyncio.Task[Any] | None = None
     # Why it was stopped from outside (set with STOPPING).
     error: FerroGrpcError | None = None
+    # What the observer records of it (observe/flight.py), once numbered.
+    entry: Entry | None = None
 
     @property
     def kind(self) -> int:

@@ -28,11 +28,12 @@ import torch
 
 from ..errors import FerroGrpcError, Identity, ProtocolError
 from ..failure.watchdog import Watchdog
+from ..observe.stats import Stats
 from ..ops import ReduceOp
 from ..samehost.plane import BEGIN, DONE, REDUCED, SMALL, WRITTEN, LocalPlane, split_small
 from ..v1 import collective_pb2 as pb
 from . import schedule
-from .context import RankContext, Stats
+from .context import RankContext
 from .descriptor import describe_mismatch
 from .jobs import Job, JobTable
 from .reducers import REDUCERS, Reducer

@@ -33,6 +33,7 @@ from ..algorithms.shm_rounds import LocalRunner
 from ..algorithms.two_level import HierRunner
 from ..errors import FerroGrpcError, PeerError
 from ..lifecycle import Lifecycle
+from ..observe.observer import Observer
 from ..ops import ReduceOp
 from ..options import ChunkPolicy
 from ..samehost.plane import LocalPlane
@@ -41,6 +42,25 @@ from ..v1 import collective_pb2 as pb
 
 # Descriptors kept for reuse (see Engine.number).
 DESCRIPTORS_KEPT = 256
+
+# "float32" for torch.float32, for the observer's entries.
+_DTYPE_NAMES: dict[torch.dtype, str] = {
+    d: str(d).removeprefix("torch.")
+    for d in (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    )
+}
 
 
 class Engine:
@@ -57,8 +77,17 @@ class Engine:
         chunk_policy: ChunkPolicy,
         topology: Topology | None = None,
         plane: LocalPlane | None = None,
+        observer: Observer | None = None,
     ) -> None:
         self.ctx = ctx
+        me = ctx.identity
+        self.observer = observer or Observer(me)
+        # Whom a collective exchanges with, by how it runs: a ring's
+        # neighbours, or every other rank.
+        self._ring_peers = tuple(
+            sorted({(me.rank - 1) % me.world_size, (me.rank + 1) % me.world_size} - {me.rank})
+        )
+        self._all_peers = tuple(r for r in range(me.world_size) if r != me.rank)
         self.jobs = jobs
         self.life = life
         self._policy = chunk_policy
@@ -141,9 +170,11 @@ class Engine:
         itemsize = buffer.element_size()
         ordered = self._uses_plane(descriptor, itemsize)
         direct = self.direct is not None and is_direct(descriptor, itemsize)
-        return self.jobs.add(
+        job = self.jobs.add(
             name, descriptor, buffer, op, out, out_offset, ordered, wire, direct=direct
         )
+        job.entry = self.observer.called(job.seq, name, buffer.nbytes, _dtype_name(buffer.dtype))
+        return job
 
     def _uses_plane(self, descriptor: pb.Descriptor, itemsize: int) -> bool:
         """Whether a collective would go through this rank's shared segments,
@@ -170,10 +201,12 @@ class Engine:
         if refusal is not None:
             raise refusal
 
-    def _retire(self, job: Job) -> None:
-        """After a job ran, failed or was refused, wherever it ran: it leaves
-        the table; what still arrives for a refused one is dropped (on the
-        loop); it is counted."""
+    def _retire(self, job: Job, error: BaseException | None) -> None:
+        """After a job ran, failed (``error``) or was refused, wherever it
+        ran: it leaves the table; what still arrives for a refused one is
+        dropped (on the loop); it is counted, and the observer told."""
+        if job.entry is not None:
+            self.observer.ended(job.entry, error)
         self.jobs.finish(job)
         refusal = self.jobs.refused(job.seq)
         if refusal is not None:
@@ -193,14 +226,21 @@ class Engine:
             self.check_open()
             if job.out is not None:
                 job.out.copy_(job.buffer)
+            if job.entry is not None:
+                self.observer.started(job.entry, "alone", ())
+                self.observer.ended(job.entry, None)
             return
+        error: BaseException | None = None
         try:
             self._admit(job)
             await self._supervise(job, *self._runner(job))
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             if job.stage is not None and not job.stage.finished:
                 await job.stage.abandon()
-            self._retire(job)
+            self._retire(job, error)
 
     def run_here(self, job: Job) -> bool:
         """Run ``job`` in this (the caller's) thread if it is a direct job
@@ -212,8 +252,10 @@ class Engine:
             return False
         if not self.jobs.direct_head(job.seq):
             return False
+        error: BaseException | None = None
         try:
             self._admit(job)
+            self._started(job, "direct", self._all_peers)
             job.begin(None)
             try:
                 direct.run(job)
@@ -221,9 +263,16 @@ class Engine:
                 raise direct.on_loop(self._deadline(job)) from None
             except FerroGrpcError as exc:
                 raise direct.on_loop(self._settle_direct(exc, job)) from exc.__cause__
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
-            self._retire(job)
+            self._retire(job, error)
         return True
+
+    def _started(self, job: Job, path: str, peers: tuple[int, ...]) -> None:
+        if job.entry is not None:
+            self.observer.started(job.entry, path, peers)
 
     def _runner(self, job: Job) -> tuple[Callable[[], Coroutine[Any, Any, None]], bool]:
         """How ``job`` runs on the loop: on the direct sockets in the direct
@@ -235,14 +284,19 @@ class Engine:
         of its own."""
         me, topo = self.ctx.identity, self.topology
         if job.direct:
+            self._started(job, "direct", self._all_peers)
             return (lambda: self._run_direct(job)), False
         if job.kind == pb.ALL_TO_ALL or self._small(job.descriptor, job.buffer.element_size()):
+            self._started(job, "one exchange", self._all_peers)
             runner = SmallRunner(self.ctx, self.links, self.plane, topo.local(me.rank), job)
             return runner.run, job.stage is None
         if self.plane is not None and topo.single_host:
+            self._started(job, "shared memory", self._all_peers)
             return LocalRunner(self.ctx, self.jobs, self.plane, topo.local(me.rank), job).run, False
         if topo.shares_memory and not topo.single_host:
+            self._started(job, "two-level", self._all_peers)
             return HierRunner(self.ctx, self.jobs, self.plane, topo, job).run, False
+        self._started(job, "ring", self._ring_peers)
         plans = build_plans(job.descriptor, me.rank, me.world_size)
         runners = [LaneRunner(self.ctx, job, lane, plan) for lane, plan in enumerate(plans)]
         return (lambda: _run_all(runners)), False
@@ -305,15 +359,26 @@ class Engine:
         self._abort_plane(exc, job)
         return await self.ctx.failure.settle(exc, job.name, job.seq)
 
-    async def point_to_point(self, job: Job, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    async def point_to_point(
+        self, job: Job, run: Callable[[], Coroutine[Any, Any, None]], peer: int | None = None
+    ) -> None:
         """Run a send or receive (``job`` names it; it takes no sequence
-        number) under the same deadline and failure policy as a collective."""
+        number) with ``peer`` (None: any) under the same deadline and
+        failure policy as a collective."""
         self.check_open()
+        observer = self.observer
+        entry = observer.called(-1, job.name, job.buffer.nbytes, _dtype_name(job.buffer.dtype))
+        observer.started(entry, "p2p", () if peer is None else (peer,))
         self.jobs.track(job)
+        error: BaseException | None = None
         try:
             await self._supervise(job, run)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             self.jobs.untrack(job)
+            observer.ended(entry, error)
 
     async def _supervise(
         self, job: Job, run: Callable[[], Coroutine[Any, Any, None]], here: bool = False
@@ -374,6 +439,10 @@ class Engine:
         self.ctx.mailboxes.drop_seq(self.ctx.group, seq, err)
         if self.plane is not None:
             self.plane.forget(seq)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -19,9 +19,11 @@ from ..algorithms.jobs import JobTable
 from ..algorithms.mailboxes import Mailboxes
 from ..control.rendezvous import Rendezvous, RendezvousResult, StoreRendezvous
 from ..env import Settings
-from ..errors import Identity
+from ..errors import FerroGrpcError, Identity
 from ..failure.policy import FailurePolicy
 from ..lifecycle import Lifecycle
+from ..observe.observer import Observer
+from ..observe.setup import attach as attach_sinks
 from ..options import ChunkPolicy
 from ..samehost.plane import LocalPlane, host_key
 from ..samehost.topology import Topology
@@ -58,6 +60,8 @@ class Parts:
     linger: float
     # Every rank's credential, by rank (intake.credential).
     credentials: list[str]
+    # What this rank saw (observe/): the flight recorder, and any sinks.
+    observer: Observer
 
     def open(self) -> None:
         """JOINING -> OPEN: let incoming streams through, now that the rank
@@ -138,12 +142,19 @@ async def join(
         hosts = result.hosts if len(result.hosts) == me.world_size else []
         topology = Topology.from_keys(hosts or [""] * me.world_size)
         jobs = JobTable(me.world_size)
+        observer = Observer(me, s.flight_dir)
+        attach_sinks(observer, s)
+
+        def on_break(err: FerroGrpcError) -> None:
+            jobs.cancel_all(err)
+            observer.broke(err)
+
         failure = FailurePolicy(
             me,
             transport,
             nonce=mine,
             life=life,
-            on_break=jobs.cancel_all,
+            on_break=on_break,
             name_of=jobs.name_of,
             refusal_of=jobs.refused,
             on_refusal=jobs.note_refusal,
@@ -169,7 +180,16 @@ async def join(
         await transport.close()
         await rendezvous.close()
         raise
-    ctx = RankContext(me, transport, mailboxes, failure, s.timeouts, s.checksum, nonce=mine)
+    ctx = RankContext(
+        me,
+        transport,
+        mailboxes,
+        failure,
+        s.timeouts,
+        s.checksum,
+        nonce=mine,
+        stats=observer.stats,
+    )
     return Parts(
         ctx,
         jobs,
@@ -182,4 +202,5 @@ async def join(
         result,
         s.timeouts.collective,
         credentials,
+        observer,
     )

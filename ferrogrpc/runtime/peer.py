@@ -27,6 +27,7 @@ from ..algorithms.staging import Stage
 from ..control.rendezvous import Rendezvous
 from ..env import Settings
 from ..errors import CollectiveTimeoutError, ConfigError, FerroGrpcError, Identity, PeerError
+from ..observe.observer import Observer
 from ..ops import DTYPE_TO_WIRE, ReduceOp
 from ..options import ChunkPolicy, Timeouts, TLSConfig
 from ..transport.grpc_streams import GrpcTransport
@@ -79,7 +80,13 @@ class Peer:
         self._life = parts.life
         self._plane = parts.plane
         self._engine = Engine(
-            parts.ctx, parts.jobs, parts.life, chunk_policy, parts.topology, parts.plane
+            parts.ctx,
+            parts.jobs,
+            parts.life,
+            chunk_policy,
+            parts.topology,
+            parts.plane,
+            parts.observer,
         )
         self._placement = placement
         self._p2p = PointToPoint(parts.ctx, self._engine.links, self._engine.chunk_bytes)
@@ -130,6 +137,7 @@ class Peer:
         if self._mesh is not None:
             self._mesh.close()
         await self._parts.close()
+        self._engine.observer.close()
 
     async def __aenter__(self) -> Self:
         return self
@@ -598,7 +606,7 @@ class Peer:
         data = tensor.detach().reshape(-1).to("cpu").contiguous()
         n = self._p2p.take("send", peer, tag)
         job = Job(n, "send", pb.Descriptor(), data, ReduceOp.SUM)
-        return self._engine.point_to_point(job, lambda: self._p2p.send(data, peer, tag, n))
+        return self._engine.point_to_point(job, lambda: self._p2p.send(data, peer, tag, n), peer)
 
     def recv(
         self, tensor: torch.Tensor, src: int, tag: int = 0
@@ -619,7 +627,9 @@ class Peer:
         job = Job(n, "recv", pb.Descriptor(), target, ReduceOp.SUM)
 
         async def run() -> torch.Tensor:
-            await self._engine.point_to_point(job, lambda: self._p2p.recv(target, peer, tag, n))
+            await self._engine.point_to_point(
+                job, lambda: self._p2p.recv(target, peer, tag, n), peer
+            )
             if not direct:
                 with torch.no_grad():
                     tensor.copy_(target.view(tensor.shape))
@@ -664,3 +674,10 @@ class Peer:
         self._engine.check_open()
         token = torch.zeros(self.world_size, dtype=torch.int32)
         return self._call(Placed(self._engine.number(pb.BARRIER, "barrier", token)), lambda: None)
+
+
+def observer_of(peer: Peer) -> Observer:
+    """What ``peer``'s rank saw: its flight recorder, and the sinks (metrics,
+    trace) its settings asked for (ferrogrpc/observe/). Not on Peer itself,
+    whose public surface is the collectives."""
+    return peer._engine.observer

@@ -1,0 +1,209 @@
+"""The flight recorder: every rank's last collectives, dumped when it breaks.
+
+[Note: flight recorder]
+Always on. Each collective's :class:`Entry` goes into a ring of the last
+``FLIGHT_ENTRIES`` (a deque: appending is one step under the GIL, from any
+thread). An entry holds numbers and short strings, never a tensor, so the
+ring pins no memory.
+
+When the rank breaks (any failure the failure policy declares: a dead or
+stalled peer, a deadline, corrupt data) and ``FERROGRPC_FLIGHT_DIR`` is set,
+the ring is written there as one JSON file (:meth:`FlightRecorder.dump`,
+written aside and renamed, so a reader never sees half a file): who this
+rank is (rank, world size, every rank's address, host, pid), the error it
+broke with, and the entries, oldest first. The collectives still running at
+that moment show ``"running"``: they are what this rank was waiting in.
+``ferrogrpc diagnose DIR`` (diagnose.py) reads every rank's dump and names
+the culprit.
+
+A process whose rank breaks more than once (an elastic member, re-formed)
+writes one file per break: the ``group`` field (a digest of the ranks'
+addresses, the same on every rank of one group) says which files belong
+together.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import itertools
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import FerroGrpcError, Identity
+
+# How many collectives each rank remembers: at a DDP step's handful of
+# collectives, the last hundred steps or more.
+FLIGHT_ENTRIES = 1024
+FORMAT = "ferrogrpc-flight/1"
+
+WAITING = "waiting"
+RUNNING = "running"
+DONE = "done"
+FAILED = "failed"
+
+logger = logging.getLogger("ferrogrpc")
+_dumps = itertools.count()
+
+
+class Entry:
+    """One collective as this rank saw it (see [Note: what the observer
+    sees] in observer.py). ``path`` is how it ran (``"ring"``, ``"one
+    exchange"``, ``"direct"``, ``"shared memory"``, ``"two-level"``,
+    ``"p2p"``, ``"alone"``); ``peers`` the ranks it exchanged with; times are
+    ``time.time()`` seconds (0.0: not yet)."""
+
+    __slots__ = (
+        "called",
+        "culprit",
+        "dtype",
+        "ended",
+        "error",
+        "error_kind",
+        "nbytes",
+        "op",
+        "path",
+        "peers",
+        "seq",
+        "started",
+        "state",
+    )
+
+    def __init__(self, seq: int, op: str, nbytes: int, dtype: str) -> None:
+        self.seq = seq
+        self.op = op
+        self.nbytes = nbytes
+        self.dtype = dtype
+        self.path = ""
+        self.peers: tuple[int, ...] = ()
+        self.called = time.time()
+        self.started = 0.0
+        self.ended = 0.0
+        self.state = WAITING
+        self.error: str | None = None
+        self.error_kind: str | None = None
+        self.culprit: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {name: getattr(self, name) for name in _FIELDS}
+        d["peers"] = list(self.peers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Entry:
+        entry = cls(int(d["seq"]), str(d["op"]), int(d["nbytes"]), str(d["dtype"]))
+        for name in _FIELDS:
+            if name in d:
+                value = d[name]
+                setattr(entry, name, tuple(value) if name == "peers" else value)
+        return entry
+
+
+_FIELDS = (
+    "seq",
+    "op",
+    "nbytes",
+    "dtype",
+    "path",
+    "peers",
+    "called",
+    "started",
+    "ended",
+    "state",
+    "error",
+    "error_kind",
+    "culprit",
+)
+
+
+def group_digest(addresses: list[str] | tuple[str, ...]) -> str:
+    """The same on every rank of one group: a digest of every rank's address."""
+    return hashlib.sha256("\n".join(addresses).encode()).hexdigest()[:16]
+
+
+class FlightRecorder:
+    """The ring of this rank's last collectives (see [Note: flight
+    recorder]); ``directory`` is where :meth:`dump` writes (None: it writes
+    nothing)."""
+
+    def __init__(
+        self, identity: Identity, directory: str | None = None, capacity: int = FLIGHT_ENTRIES
+    ) -> None:
+        self.identity = identity
+        self.directory = directory
+        self._ring: collections.deque[Entry] = collections.deque(maxlen=capacity)
+        self.dumped: Path | None = None
+
+    def add(self, entry: Entry) -> None:
+        self._ring.append(entry)
+
+    def entries(self) -> list[Entry]:
+        """The entries kept, oldest first (a copy)."""
+        return list(self._ring)
+
+    def snapshot(self, cause: FerroGrpcError | None = None) -> dict[str, Any]:
+        """What :meth:`dump` writes, as a dict."""
+        me = self.identity
+        return {
+            "format": FORMAT,
+            "rank": me.rank,
+            "world_size": me.world_size,
+            "addresses": list(me.addresses),
+            "group": group_digest(list(me.addresses)),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "dumped_at": time.time(),
+            "cause": _describe(cause),
+            "entries": [e.as_dict() for e in self.entries()],
+        }
+
+    def dump(self, cause: FerroGrpcError | None) -> Path | None:
+        """Write the ring to the directory, if one is set; the file's path
+        (None: no directory, or it could not be written, which is logged:
+        a dump never adds a failure to the one being reported)."""
+        if not self.directory:
+            return None
+        try:
+            folder = Path(self.directory)
+            folder.mkdir(parents=True, exist_ok=True)
+            me = self.identity
+            name = f"flight-rank{me.rank:05d}-pid{os.getpid()}-{next(_dumps)}.json"
+            path = folder / name
+            tmp = folder / f".{name}.tmp"
+            tmp.write_text(json.dumps(self.snapshot(cause)))
+            os.replace(tmp, path)
+        except (OSError, TypeError, ValueError) as exc:
+            logger.warning("rank %d: could not write its flight record: %s", me.rank, exc)
+            return None
+        self.dumped = path
+        return path
+
+
+def _describe(err: FerroGrpcError | None) -> dict[str, Any] | None:
+    if err is None:
+        return None
+    return {
+        "kind": type(err).__name__,
+        "message": str(err),
+        "op": err.op,
+        "seq": err.seq,
+        "peer": err.peer,
+        "evidence": err.evidence.value,
+    }
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """One dump, checked for its format; ValueError names a file that is not
+    one."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable flight record ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a ferrogrpc flight record (format {FORMAT} expected)")
+    return data
