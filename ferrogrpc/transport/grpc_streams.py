@@ -4,6 +4,7 @@ errors become ferrogrpc errors (:func:`translate`)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
@@ -12,6 +13,7 @@ import grpc.aio
 
 from ..errors import ERROR_CLASSES, ConfigError, Evidence, FerroGrpcError, PeerError, ProtocolError
 from ..options import TLSConfig
+from ..v1 import collective_pb2 as pb
 from .auth import TOKEN_METADATA_KEY as TOKEN_METADATA_KEY  # clients' name for it
 from .auth import add_port, aio_channel, aio_server, interceptors, token_metadata
 from .streams import OutStream, SendHook, StreamHandler, Transport
@@ -103,7 +105,8 @@ def translate(exc: BaseException, dst: int, address: str, what: str) -> FerroGrp
 
 
 async def _serve_ping(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-    return b""
+    # The wall clock, for a traced rank's offset (GrpcTransport.wall_clock).
+    return pb.Ping(wall_time=time.time()).SerializeToString()
 
 
 async def _abort_with(context: grpc.aio.ServicerContext[Any, Any], exc: FerroGrpcError) -> None:
@@ -349,6 +352,18 @@ class GrpcTransport(Transport):
             await method(b"", timeout=left, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise translate(exc, dst, self.addresses[dst], "ping") from exc
+
+    async def wall_clock(self, dst: int, timeout: float) -> float:
+        # The RPC alone (no connection probe first): its round trip is the
+        # measurement's error bound, so nothing else goes in it.
+        method = self._channel(dst, 0).unary_unary(
+            PING_METHOD, request_serializer=_identity, response_deserializer=_identity
+        )
+        try:
+            reply = await method(b"", timeout=timeout, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise translate(exc, dst, self.addresses[dst], "ping") from exc
+        return float(pb.Ping.FromString(reply).wall_time)
 
     async def _check_reachable(self, dst: int, timeout: float) -> None:
         """Raise PeerError unless ``dst``'s host accepts a TCP connection to

@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import itertools
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -70,6 +71,12 @@ class Transport(abc.ABC):
     async def ping(self, dst: int, timeout: float) -> None:
         """Return if ``dst`` answers within ``timeout``; raise PeerError if not
         (with Evidence.UNREACHABLE when ``dst`` cannot be reached at all)."""
+
+    @abc.abstractmethod
+    async def wall_clock(self, dst: int, timeout: float) -> float:
+        """``dst``'s wall clock: its ``time.time()`` as it answered a ping
+        (0.0 from a peer too old to say). A traced rank measures its clock
+        offset to rank 0 with it (observe/clock.py)."""
 
     @abc.abstractmethod
     async def close(self) -> None: ...
@@ -179,6 +186,10 @@ class MemoryTransport(Transport):
         if target.frozen:
             await asyncio.sleep(timeout)
             raise PeerError(f"rank {dst} did not answer a ping", peer=dst)
+
+    async def wall_clock(self, dst: int, timeout: float) -> float:
+        await self.ping(dst, timeout)
+        return time.time()  # every rank in this process reads the same clock
 
     async def close(self) -> None:
         self.closed = True

@@ -182,7 +182,9 @@ class AbortAck(_message.Message):
     def __init__(self) -> None: ...
 
 class Ping(_message.Message):
-    __slots__ = ("from_rank",)
+    __slots__ = ("from_rank", "wall_time")
     FROM_RANK_FIELD_NUMBER: _ClassVar[int]
+    WALL_TIME_FIELD_NUMBER: _ClassVar[int]
     from_rank: int
-    def __init__(self, from_rank: _Optional[int] = ...) -> None: ...
+    wall_time: float
+    def __init__(self, from_rank: _Optional[int] = ..., wall_time: _Optional[float] = ...) -> None: ...
