@@ -49,6 +49,7 @@ import torch
 
 from ..errors import CollectiveTimeoutError, Evidence, FerroGrpcError, PeerError, ProtocolError
 from ..failure.watchdog import PROBE_S, RECHECK_S, Watchdog
+from ..observe.stats import TCP_MESH
 from ..transport.integrity import Checksum
 from ..transport.wire import bytes_view
 from ..v1 import collective_pb2 as pb
@@ -295,10 +296,12 @@ class Direct:
                     if prober is not None:
                         prober.reset()  # refusals and silences must be unbroken
                         next_probe = progress + prober.after
-        if plane.between_hosts:
-            self.ctx.stats.bytes_received += sum(m.nbytes for m in got.values())
-        else:
-            self.ctx.stats.bytes_local += sum(m.nbytes for m in got.values())
+        stats = self.ctx.stats
+        for src, m in got.items():
+            if plane.between_hosts:
+                stats.received(src, m.nbytes, TCP_MESH)
+            else:
+                stats.local(src, m.nbytes)
         return got
 
     # ----------------------------------------------------------- messages
@@ -310,7 +313,7 @@ class Direct:
         sock = self.socks[dst]
         parts = [memoryview(head), view]
         if self.plane.between_hosts:
-            self.ctx.stats.bytes_sent += view.nbytes
+            self.ctx.stats.sent(dst, view.nbytes, TCP_MESH)
         ended: set[int] = set()  # other peers whose socket ended meanwhile
         try:
             while parts:

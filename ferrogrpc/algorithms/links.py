@@ -88,7 +88,7 @@ async def send_parts(
             "a message to be accepted by",
             links.send(dst, wire.encode(header, piece)),
         )
-    ctx.stats.bytes_sent += total
+    ctx.stats.sent(dst, total)
 
 
 def check_part(

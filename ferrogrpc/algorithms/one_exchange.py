@@ -114,7 +114,7 @@ class SmallRunner:
                 raise self._mismatch(src, pb.Descriptor.FromString(desc), "disagrees")
             if data.nbytes != nbytes:
                 raise self._sizes(src, data.nbytes, nbytes)
-            self.ctx.stats.bytes_local += data.nbytes
+            self.ctx.stats.local(src, data.nbytes)
             return data
         ctx = self.ctx
         parts = []
@@ -144,7 +144,7 @@ class SmallRunner:
             check_part(ctx, self.me, job.name, job.seq, src, header, item)
             parts.append(item)
         data = parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
-        ctx.stats.bytes_received += data.nbytes
+        ctx.stats.received(src, data.nbytes)
         return data
 
     async def _exchange(

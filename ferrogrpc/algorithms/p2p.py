@@ -146,4 +146,4 @@ class PointToPoint:
             lo = index * part
             if item.nbytes:
                 flat[lo : lo + item.nbytes].copy_(torch.frombuffer(item, dtype=torch.uint8))
-            ctx.stats.bytes_received += item.nbytes
+            ctx.stats.received(src, item.nbytes)

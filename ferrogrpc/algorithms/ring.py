@@ -197,7 +197,7 @@ class LaneRunner:
                         header.has_checksum = True
                     message = wire.encode(header, payload)
             await self._write(stream, message, item.step)
-            stats.bytes_sent += (item.hi - item.lo) * self.wire_itemsize
+            stats.sent(self.right, (item.hi - item.lo) * self.wire_itemsize)
         # End the stream with end markers, the first only once everything
         # this rank receives has arrived and passed its checks, and marker k
         # once marker k - 1 came from the left. The markers, not the
@@ -457,7 +457,7 @@ class LaneRunner:
                     self._round(target, index, hold)
             if stage is not None and item.action != REDUCE:
                 stage.final(item.lo, item.hi)
-            stats.bytes_received += nbytes
+            stats.received(self.left, nbytes)
             self.received.advance()
         # The left neighbour's end markers (see _send). Without them (a bare
         # end of stream) it failed, even if every chunk this rank needed

@@ -167,7 +167,7 @@ class LocalGroup:
                 for rank in self.peers:
                     theirs = plane.slot(rank, g % plane.slots).view(dtype)[at : at + hi - lo]
                     reduce(source[lo:hi] if first else out, theirs, out)
-                    self.stats.bytes_local += theirs.numel() * theirs.element_size()
+                    self.stats.local(rank, theirs.numel() * theirs.element_size())
                     first = False
                 if first:
                     out.copy_(source[lo:hi])
@@ -218,7 +218,7 @@ class LocalGroup:
                 for rank in self.peers:
                     theirs = plane.slot(rank, g % plane.slots).view(dtype)[at : at + hi - lo]
                     reduce(buf[lo:hi] if first else out, theirs, out)
-                    stats.bytes_local += (hi - lo) * itemsize
+                    stats.local(rank, (hi - lo) * itemsize)
                     first = False
                 if first:
                     out.copy_(buf[lo:hi])
@@ -236,7 +236,7 @@ class LocalGroup:
                 for lo, hi in _pieces(parts[i], k * per, (k + 1) * per):
                     buf[lo:hi].copy_(theirs[at : at + hi - lo])
                     if i != self.index:
-                        stats.bytes_local += (hi - lo) * itemsize
+                        stats.local(rank, (hi - lo) * itemsize)
                     if stage is not None:
                         stage.final(lo, hi)
                     at += hi - lo
@@ -280,7 +280,7 @@ class LocalGroup:
                 at = region[i]
                 for lo, hi in _pieces(parts[i], k * per, (k + 1) * per):
                     buffer[lo:hi].copy_(theirs[at : at + hi - lo])
-                    self.stats.bytes_local += (hi - lo) * buffer.element_size()
+                    self.stats.local(rank, (hi - lo) * buffer.element_size())
                     if stage is not None:
                         stage.final(lo, hi)
                     at += hi - lo

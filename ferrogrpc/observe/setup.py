@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from ..env import Settings
+from . import metrics, trace
 from .observer import Observer
 
 
-def attach(observer: Observer, settings: Settings) -> None:
+def attach(observer: Observer, settings: Settings, local_index: int = 0) -> None:
     """Give ``observer`` the sinks ``settings`` ask for: metrics
-    (``metrics_port``) and the trace (``trace_dir``). Nothing when neither
-    is set: the flight recorder alone is always on."""
+    (``metrics_port``; ``local_index``, the rank's place on its host, picks
+    its port: metrics.attach) and the trace (``trace_dir``). Nothing when
+    neither is set: the flight recorder alone is always on."""
+    if settings.metrics_port is not None:
+        metrics.attach(observer, settings, local_index)
+    if settings.trace_dir:
+        trace.attach(observer, settings.trace_dir)

@@ -90,6 +90,7 @@ class Parts:
         await self.ctx.transport.close()
         await self.rendezvous.close()
         self.life.end_close()
+        self.observer.close()  # once: a start that failed closes it here
 
 
 async def join(
@@ -143,7 +144,7 @@ async def join(
         topology = Topology.from_keys(hosts or [""] * me.world_size)
         jobs = JobTable(me.world_size)
         observer = Observer(me, s.flight_dir)
-        attach_sinks(observer, s)
+        attach_sinks(observer, s, topology.local_index(me.rank))
 
         def on_break(err: FerroGrpcError) -> None:
             jobs.cancel_all(err)
