@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -41,6 +42,23 @@ def _status(target: str) -> int:
         current = f"{m.collective}#{m.seq}" if m.collective else f"idle (last #{m.seq})"
         print(f"{m.rank:>4}  {m.address:<24} {age:>15}  {current}")
     return 0
+
+
+def _diagnose(directory: str, *, as_json: bool) -> int:
+    """Print the diagnosis of every group's flight records in ``directory``:
+    0 when a culprit is named, 1 when none is, 2 when there is nothing to read."""
+    from .observe.diagnose import diagnose_dir, render
+
+    try:
+        found = diagnose_dir(directory)
+    except ValueError as exc:
+        print(f"ferrogrpc diagnose: {exc}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps([d.as_dict() for d in found], indent=1))
+    else:
+        print(render(found), end="")
+    return 0 if found[-1].culprit is not None else 1
 
 
 def _program(command: str, argv: list[str]) -> int:
@@ -81,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     launch_p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     status_p = sub.add_parser("status", help="print a coordinator's member table")
     status_p.add_argument("target", metavar="HOST:PORT")
+    diagnose_p = sub.add_parser(
+        "diagnose", help="name the culprit from the ranks' flight records (FERROGRPC_FLIGHT_DIR)"
+    )
+    diagnose_p.add_argument("directory", metavar="DIR")
+    diagnose_p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     if argv and argv[0] in PROGRAMS:
         return _program(argv[0], argv[1:])
     if argv and argv[0] == "coordinator":
@@ -94,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.command == "status":
         return _status(ns.target)
+    if ns.command == "diagnose":
+        return _diagnose(ns.directory, as_json=ns.json)
     from .control.launch import launch
 
     argv_ranks = [sys.executable, *(["-m"] if ns.module else []), ns.script, *ns.args]

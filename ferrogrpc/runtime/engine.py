@@ -412,12 +412,14 @@ class Engine:
                     asyncio.current_task().uncancel()  # type: ignore[union-attr]
                 raise job.error from None
             raise
-        except TimeoutError as exc:
-            if isinstance(exc, FerroGrpcError) or not deadline.expired():
+        except FerroGrpcError as exc:
+            # First: a CollectiveTimeoutError (a stuck peer) is a TimeoutError
+            # too, and is settled like any failure: it breaks the rank.
+            raise await failure.settle(exc, job.name, job.seq) from exc.__cause__
+        except TimeoutError:
+            if not deadline.expired():
                 raise
             raise failure.deadline_passed(job.name, job.seq, deadline_s) from None
-        except FerroGrpcError as exc:
-            raise await failure.settle(exc, job.name, job.seq) from exc.__cause__
         except BaseExceptionGroup as group:
             err = _first_ferro(group) or ctx.identity.error(
                 PeerError, f"internal failure: {group!r}", op=job.name, seq=job.seq
