@@ -41,6 +41,15 @@ def _status(target: str) -> int:
         age = f"{now - m.last_heartbeat:.1f}s ago" if m.last_heartbeat else "never"
         current = f"{m.collective}#{m.seq}" if m.collective else f"idle (last #{m.seq})"
         print(f"{m.rank:>4}  {m.address:<24} {age:>15}  {current}")
+    if status.metrics_port:
+        # The coordinator serves its group's metrics (--metrics-port): print them.
+        from .control.group_metrics import describe
+
+        host = target.rsplit(":", 1)[0]
+        try:
+            print(describe(f"http://{host}:{status.metrics_port}/metrics"))
+        except OSError as exc:
+            print(f"group metrics: not readable ({exc})")
     return 0
 
 
@@ -59,6 +68,27 @@ def _diagnose(directory: str, *, as_json: bool) -> int:
     else:
         print(render(found), end="")
     return 0 if found[-1].culprit is not None else 1
+
+
+def _trace_merge(directory: str, output: str) -> int:
+    """Merge the ranks' traces in ``directory`` into ``output``: 0, or 2
+    when there is nothing to merge."""
+    from .observe.trace import merge
+
+    try:
+        merged = merge(directory, output)
+    except ValueError as exc:
+        print(f"ferrogrpc trace merge: {exc}", file=sys.stderr)
+        return 2
+    for file in merged["files"]:
+        clock = file.get("clock")
+        aligned = "not aligned (no clock offset measured)"
+        if clock is not None:
+            offset, bound = clock["offset_s"] * 1e3, clock["error_bound_s"] * 1e3
+            aligned = f"clock offset {offset:+.3f} ms (within {bound:.3f} ms)"
+        print(f"rank {file['rank']}: {file['file']}, {file['events']} events, {aligned}")
+    print(f"wrote {output}: ranks {merged['ranks']}, on rank 0's clock")
+    return 0
 
 
 def _program(command: str, argv: list[str]) -> int:
@@ -89,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="all_reduce benchmark against gloo (ferrogrpc bench --help)")
     sub.add_parser("coordinator", help="run the rendezvous coordinator (--help for options)")
     sub.add_parser("health", help="exit 0 if the coordinator at HOST:PORT is serving")
+    trace_p = sub.add_parser("trace", help="the ranks' traces (FERROGRPC_TRACE=DIR)")
+    trace_sub = trace_p.add_subparsers(dest="trace_command", required=True)
+    merge_p = trace_sub.add_parser(
+        "merge", help="merge every rank's trace in DIR into one, on rank 0's clock"
+    )
+    merge_p.add_argument("directory", metavar="DIR")
+    merge_p.add_argument("-o", "--output", default="run.json", help="(default run.json)")
     launch_p = sub.add_parser("launch", help="run N local ranks of a script, torchrun-style")
     launch_p.add_argument("--nproc", type=int, default=2, help="ranks to start (default 2)")
     launch_p.add_argument(
@@ -115,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return health_main(argv[1:])
     ns = parser.parse_args(argv)
+    if ns.command == "trace":
+        return _trace_merge(ns.directory, ns.output)
     if ns.command == "status":
         return _status(ns.target)
     if ns.command == "diagnose":
