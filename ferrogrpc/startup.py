@@ -36,6 +36,7 @@ def init_backend(
     shm: bool | None = None,
     elastic: Literal[False] | None = None,
     min_world_size: int | None = None,
+    metrics_port: int | None = None,
 ) -> Backend: ...
 
 
@@ -58,6 +59,7 @@ def init_backend(
     shm: bool | None = None,
     elastic: Literal[True],
     min_world_size: int | None = None,
+    metrics_port: int | None = None,
 ) -> ElasticBackend: ...
 
 
@@ -79,6 +81,7 @@ def init_backend(
     shm: bool | None = None,
     elastic: bool | None = None,
     min_world_size: int | None = None,
+    metrics_port: int | None = None,
 ) -> Backend | ElasticBackend:
     """Join the group and return a blocking :class:`Backend` (an
     :class:`ElasticBackend` with ``elastic=True``).
@@ -130,6 +133,13 @@ def init_backend(
             member raises QuorumLostError. The first epoch forms once this
             many have entered and the coordinator's join window passed (or
             the coordinator's ``--world-size`` entered).
+        metrics_port: serve Prometheus metrics on this port
+            (``FERROGRPC_METRICS_PORT``; default off): bytes by path and
+            peer, collectives, their latency, failures by culprit, DDP and
+            FSDP waits (README, "Metrics"). Ranks that share a host serve on
+            ``metrics_port`` plus their place on the host (0, 1, ...); 0 is
+            an ephemeral port per process. Plain HTTP, read-only. Closing
+            the backend stops serving.
 
     Returns:
         A :class:`Backend` for this rank; close it (or use it as a context
@@ -163,7 +173,10 @@ def init_backend(
         shm=shm,
         elastic=elastic,
         min_world_size=min_world_size,
+        metrics_port=metrics_port,
     )
+    if s.metrics_port is not None and not 0 <= s.metrics_port < 65536:
+        raise ConfigError(f"metrics_port={s.metrics_port} is not a port (0 to 65535)")
     connect = s.timeouts.connect
     if s.elastic:
         return _start_elastic(s)

@@ -168,6 +168,11 @@ class Coordinator:
             max_ranks=self.limits.max_ranks,
         )
         self._silence_task: asyncio.Task[None] | None = None
+        # For the group's metrics (group_metrics.py): peers given a rank by
+        # Join, rounds released, and the port they are served on (0: none).
+        self.joins = 0
+        self.rounds = 0
+        self.metrics_port = 0
 
     # ------------------------------------------------------------- handlers
 
@@ -190,6 +195,7 @@ class Coordinator:
         while len(self._results) > 4:
             self._results.pop(next(iter(self._results)))
         self._released_at = time.time()
+        self.rounds += 1
         self._complete.set()
 
     def _new_round(self) -> None:
@@ -344,6 +350,7 @@ class Coordinator:
         )
         member.owner = call
         self._members[rank] = member
+        self.joins += 1
         logger.info("rank %d joined (%d/%d)", rank, len(self._members), self.world_size)
         if elastic:
             if self._release_timer is not None:
@@ -429,6 +436,7 @@ class Coordinator:
             world_size=self.world_size,
             joined=len(self._members),
             run_id=self.run_id,
+            metrics_port=self.metrics_port,
             members=[
                 rpb.Member(
                     rank=m.rank,

@@ -143,6 +143,11 @@ class ElasticMembership:
         self._optimistic: tuple[int, int] = (0, -1)
         # Members of the current epoch that closed their backend.
         self._left: set[str] = set()
+        # For the group's metrics (group_metrics.py): epochs formed, members
+        # that joined an epoch, and members an epoch dropped.
+        self.formed = 0
+        self.joined_total = 0
+        self.removed_total = 0
 
     # ------------------------------------------------------------- queries
 
@@ -411,6 +416,9 @@ class ElasticMembership:
         self.highest = max(self.highest, current.epoch)
         self.members = list(order)
         self.entries = {p: current.entered[p] for p in order}
+        self.formed += 1
+        self.joined_total += len(order) - current.joined_from
+        self.removed_total += len(current.dropped)
         for peer in order:
             self.joiners.pop(peer, None)
             self.seen[peer] = self.clock()

@@ -22,6 +22,7 @@ import threading
 from ..env import Settings
 from ..errors import ConfigError
 from .coordinator import Coordinator, Limits
+from .group_metrics import GroupMetricsServer
 
 # With --exit-when-done: a rank of the run that sent no heartbeat for this
 # long (three heartbeat periods) has left, crashed or been killed.
@@ -78,6 +79,7 @@ async def serve(
     join_window: float = 5.0,
     settings: Settings | None = None,
     exit_when_done: bool = False,
+    metrics_port: int | None = None,
 ) -> None:
     s = settings or Settings.from_env()
     coordinator = Coordinator(
@@ -97,6 +99,10 @@ async def serve(
     secured = ", token required" if s.token else ""
     secured += ", mutual TLS" if s.tls else ""
     print(f"coordinator listening on {host}:{bound} (world_size {size}{secured})", flush=True)
+    metrics: GroupMetricsServer | None = None
+    if metrics_port is not None:
+        metrics = GroupMetricsServer(coordinator, host, metrics_port)
+        print(f"group metrics on http://{host}:{metrics.port}/metrics", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -115,6 +121,8 @@ async def serve(
     if exit_when_done:
         watcher.cancel()
     print("coordinator shutting down", flush=True)
+    if metrics is not None:
+        metrics.stop()
     await coordinator.stop(grace=2.0)
 
 
@@ -137,6 +145,13 @@ def main(argv: list[str] | None = None) -> int:
         help="exit once a run was released and every rank of it has left (or gone silent for "
         f"{RUN_SILENT_S:g}s): `docker-compose up` then returns when training ends",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve the group's Prometheus metrics on this port (0: an ephemeral one; default "
+        "off); `ferrogrpc status` prints them",
+    )
     args = parser.parse_args(argv)
     try:
         settings = Settings.from_env()
@@ -154,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.join_window,
                 settings,
                 exit_when_done=args.exit_when_done,
+                metrics_port=args.metrics_port,
             )
         )
     finally:

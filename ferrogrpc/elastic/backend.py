@@ -39,8 +39,9 @@ from ..errors import (
     QuorumLostError,
     RendezvousError,
 )
+from ..observe import metrics
 from ..runtime.backend import Backend, prepare
-from ..runtime.peer import Peer
+from ..runtime.peer import Peer, observer_of
 from ..v1 import rendezvous_pb2 as rpb
 
 logger = logging.getLogger("ferrogrpc.elastic")
@@ -120,6 +121,8 @@ class ElasticBackend:
         self._syncs = 0
         self._last_target = 0
         client.on_heartbeat = self._on_heartbeat
+        # The metrics port serves on between epochs (observe/metrics.py).
+        self._release_metrics = metrics.hold(settings)
 
     # ------------------------------------------------------------ identity
 
@@ -225,6 +228,7 @@ class ElasticBackend:
             self._membership = Membership(
                 self._epoch, int(response.world_size), tuple(response.addresses)
             )
+        metrics.note_epoch(observer_of(peer), self._epoch)
         self._client.set_beat(
             Beat(
                 epoch=self._epoch,
@@ -502,6 +506,7 @@ class ElasticBackend:
             self._thread.join(timeout=10)
             if not self._loop.is_running() and not self._loop.is_closed():
                 self._loop.close()
+        self._release_metrics()
 
     def __enter__(self) -> ElasticBackend:
         return self

@@ -1,0 +1,257 @@
+"""Metrics per rank (issue 32): scrape the HTTP endpoint a group of ranks
+serves, parse it with prometheus-client's parser, and check every value
+against what the collectives run must have done: counts of the calls made,
+bytes by peer computed from the tensor sizes and the ring's schedule, the
+failure an injected fault causes, the port rule, and that closing stops
+serving. And the coordinator's group metrics, as ``ferrogrpc status``
+prints them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import urllib.error
+import urllib.request
+from collections import defaultdict
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+import ferrogrpc as fg
+from ferrogrpc.control.coordinator import Coordinator, CoordinatorRendezvous
+from ferrogrpc.control.group_metrics import GroupMetricsServer, describe
+from ferrogrpc.env import Settings
+from ferrogrpc.observe import metrics
+from ferrogrpc.runtime.peer import Peer, observer_of
+from ferrogrpc.testing import Fault, FaultKind, local_group
+
+pytestmark = pytest.mark.timeout(90)
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(url: str) -> Samples:
+    """Every sample at ``url``, by (name, labels)."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+async def ascrape(url: str) -> Samples:
+    return await asyncio.to_thread(scrape, url)
+
+
+def value(samples: Samples, name: str, **labels: object) -> float:
+    return samples.get((name, frozenset((k, str(v)) for k, v in labels.items())), 0.0)
+
+
+def delta(after: Samples, before: Samples) -> Samples:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
+def bytes_by_peer(d: Samples, name: str, rank: int, path: str) -> dict[int, float]:
+    out: dict[int, float] = defaultdict(float)
+    for (metric, labels), v in d.items():
+        lab = dict(labels)
+        if metric == name and lab["rank"] == str(rank) and lab["path"] == path:
+            out[int(lab["peer"])] += v
+    return dict(out)
+
+
+def url_of(peer: Peer) -> str:
+    server = metrics.server_of(observer_of(peer))
+    assert server is not None
+    return f"http://127.0.0.1:{server.port}/metrics"
+
+
+async def test_a_scrape_counts_every_collective_and_every_byte_by_peer() -> None:
+    world, runs, gathers = 3, 3, 2
+    numel = 3 * (1 << 18)  # 3 MiB of float32, divisible by the world: a ring
+    part = 1 << 18  # each rank's 1 MiB part of an all-gather: a ring too
+    settings = Settings(metrics_port=0)
+    async with local_group(world, settings=settings, direct=False) as peers:
+        url = url_of(peers[0])
+        # One server for the process: every rank of the group is on it.
+        assert {url_of(p) for p in peers} == {url}
+        before = await ascrape(url)
+        for _ in range(runs):
+            tensors = [torch.full((numel,), float(r)) for r in range(world)]
+            await asyncio.gather(*(p.all_reduce(t) for p, t in zip(peers, tensors, strict=True)))
+        for _ in range(gathers):
+            got = await asyncio.gather(
+                *(p.all_gather(torch.full((part,), float(r))) for r, p in enumerate(peers))
+            )
+            assert all(torch.equal(g[2], torch.full((part,), 2.0)) for g in got)
+        d = delta(await ascrape(url), before)
+    nbytes = numel * 4
+    # A ring all-reduce sends 2 (W-1)/W of the tensor to the right
+    # neighbour; a ring all-gather sends W-1 parts. Nothing to anyone else.
+    expected = runs * 2 * (world - 1) * nbytes // world + gathers * (world - 1) * part * 4
+    for r in range(world):
+        right, left = (r + 1) % world, (r - 1) % world
+        assert bytes_by_peer(d, "ferrogrpc_sent_bytes_total", r, "grpc") == {right: expected}
+        assert bytes_by_peer(d, "ferrogrpc_received_bytes_total", r, "grpc") == {left: expected}
+        assert value(d, "ferrogrpc_collectives_total", rank=r, op="all_reduce", outcome="done") == (
+            runs
+        )
+        assert value(d, "ferrogrpc_collectives_total", rank=r, op="all_gather", outcome="done") == (
+            gathers
+        )
+        count = "ferrogrpc_collective_seconds_count"
+        assert value(d, count, rank=r, op="all_reduce", size="<16MiB") == runs
+        le = "ferrogrpc_collective_seconds_bucket"
+        assert value(d, le, rank=r, op="all_reduce", size="<16MiB", le="+Inf") == runs
+        assert value(d, "ferrogrpc_collective_seconds_sum", rank=r, op="all_reduce", size="<16MiB")
+        assert not any(name == "ferrogrpc_failures_total" for name, _ in d)
+        assert value(before, "ferrogrpc_world_size", rank=r) == world
+        assert value(before, "ferrogrpc_membership_epoch", rank=r) == 0
+
+
+async def test_shared_memory_bytes_are_counted_by_peer() -> None:
+    world, numel = 2, 1 << 20  # 4 MiB: through the shared segments
+    async with local_group(world, transport="shm", settings=Settings(metrics_port=0)) as peers:
+        url = url_of(peers[0])
+        before = await ascrape(url)
+        tensors = [torch.full((numel,), float(r + 1)) for r in range(world)]
+        await asyncio.gather(*(p.all_reduce(t) for p, t in zip(peers, tensors, strict=True)))
+        assert torch.equal(tensors[0], torch.full((numel,), 3.0))
+        d = delta(await ascrape(url), before)
+    for r in range(world):
+        # Each rank reads the other's half to reduce its own, then the
+        # other's reduced half: the whole tensor, from its one peer.
+        other = 1 - r
+        assert bytes_by_peer(d, "ferrogrpc_received_bytes_total", r, "same_host") == {
+            other: numel * 4
+        }
+        assert bytes_by_peer(d, "ferrogrpc_sent_bytes_total", r, "grpc") == {}
+        assert value(d, "ferrogrpc_collectives_total", rank=r, op="all_reduce", outcome="done") == 1
+
+
+async def test_a_failure_is_counted_by_kind_and_culprit() -> None:
+    fault = Fault(rank=1, kind=FaultKind.CORRUPT_PAYLOAD, nth=0, collective="all_reduce")
+    async with local_group(
+        3, settings=Settings(metrics_port=0), direct=False, faults=[fault]
+    ) as peers:
+        url = url_of(peers[0])
+        before = await ascrape(url)
+        tensors = [torch.ones(3 << 18) for _ in peers]
+        results = await asyncio.gather(
+            *(p.all_reduce(t) for p, t in zip(peers, tensors, strict=True)),
+            return_exceptions=True,
+        )
+        d = delta(await ascrape(url), before)
+    assert all(isinstance(e, fg.FerroGrpcError) for e in results), results
+    # The rank the corrupt chunk reached names its sender.
+    assert results[2].peer == 1, results[2]  # type: ignore[union-attr]
+    for r, err in enumerate(results):
+        assert isinstance(err, fg.FerroGrpcError)
+        culprit = "none" if err.peer is None else str(err.peer)
+        failed = value(d, "ferrogrpc_collectives_total", rank=r, op="all_reduce", outcome="failed")
+        assert failed == 1
+        kinds = {
+            (dict(k)["kind"], dict(k)["culprit"]): v
+            for (name, k), v in d.items()
+            if name == "ferrogrpc_failures_total" and dict(k)["rank"] == str(r)
+        }
+        assert kinds == {(type(err).__name__, culprit): 1.0}, (r, err)
+
+
+def _free_pair() -> int:
+    """A port P with P and P + 1 both free now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port >= 65535:
+            continue
+        with contextlib.suppress(OSError), socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", port))
+            b.bind(("127.0.0.1", port + 1))
+            return port
+    raise AssertionError("no two adjacent free ports")
+
+
+async def test_ranks_on_one_host_serve_on_port_plus_local_index_and_close_stops() -> None:
+    port = _free_pair()
+    settings = Settings(metrics_port=port, bind_host="127.0.0.1")
+    # Two ranks sharing a host (shared memory): one port each.
+    async with local_group(2, transport="shm", settings=settings) as peers:
+        for r in range(2):
+            samples = await ascrape(f"http://127.0.0.1:{port + r}/metrics")
+            assert {dict(k)["rank"] for n, k in samples if n == "ferrogrpc_world_size"} == {str(r)}
+        assert len(_serving_threads()) == 2
+    assert metrics.servers() == []
+    for r in range(2):
+        with pytest.raises(urllib.error.URLError):
+            await ascrape(f"http://127.0.0.1:{port + r}/metrics")
+    # Ranks that are hosts of their own (shared memory off) in one process:
+    # the same port, one server, a rank label each.
+    async with local_group(2, settings=settings, direct=False) as peers:
+        samples = await ascrape(f"http://127.0.0.1:{port}/metrics")
+        ranks = {dict(k)["rank"] for n, k in samples if n == "ferrogrpc_world_size"}
+        assert ranks == {"0", "1"}
+        assert url_of(peers[1]).endswith(f":{port}/metrics")
+    assert metrics.servers() == []
+    assert _serving_threads() == []
+
+
+def _serving_threads() -> list[threading.Thread]:
+    # prometheus-client's HTTP server runs serve_forever on its own thread.
+    return [t for t in threading.enumerate() if "serve_forever" in t.name]
+
+
+async def test_off_by_default() -> None:
+    async with local_group(2, settings=Settings()) as peers:
+        assert metrics.server_of(observer_of(peers[0])) is None
+        assert observer_of(peers[0]).collective_sinks == []
+        assert metrics.servers() == []
+
+
+async def test_the_coordinator_serves_its_group_and_status_prints_it() -> None:
+    coordinator = Coordinator(2)
+    port = await coordinator.start("127.0.0.1:0")
+    server = GroupMetricsServer(coordinator, "127.0.0.1", 0)
+    try:
+        target = f"127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        empty = await ascrape(url)
+        assert value(empty, "ferrogrpc_group_joins_total") == 0
+        assert value(empty, "ferrogrpc_group_members") == 0
+        a, b = CoordinatorRendezvous(target, timeout=10), CoordinatorRendezvous(target, timeout=10)
+        await asyncio.gather(
+            a.exchange(None, None, "h-a:1", "na"), b.exchange(None, None, "h-b:2", "nb")
+        )
+        samples = await ascrape(url)
+        assert value(samples, "ferrogrpc_group_joins_total") == 2
+        assert value(samples, "ferrogrpc_group_rounds_total") == 1
+        assert value(samples, "ferrogrpc_group_members") == 2
+        assert value(samples, "ferrogrpc_group_world_size") == 2
+        assert value(samples, "ferrogrpc_group_epoch") == 0
+        assert value(samples, "ferrogrpc_group_last_seq", rank=0) == 0
+        # `ferrogrpc status` finds the port in the Status answer and prints them.
+        from ferrogrpc.cli import main
+
+        printed = await asyncio.to_thread(_output_of, main, ["status", target])
+        assert "world size 2, members 2, epoch 0, joins 2, removals 0, rounds 1" in printed
+        assert describe(url).splitlines()[0] in printed
+        await asyncio.gather(a.close(), b.close())
+    finally:
+        server.stop()
+        await coordinator.stop(0)
+
+
+def _output_of(main: object, argv: list[str]) -> str:
+    import io
+    from contextlib import redirect_stdout
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(argv) == 0  # type: ignore[operator]
+    return out.getvalue()
