@@ -60,6 +60,9 @@ HEARTBEAT_TIMEOUT_ENV: Final = "FERROGRPC_HEARTBEAT_TIMEOUT"
 METRICS_PORT_ENV: Final = "FERROGRPC_METRICS_PORT"
 TRACE_ENV: Final = "FERROGRPC_TRACE"
 FLIGHT_DIR_ENV: Final = "FERROGRPC_FLIGHT_DIR"
+# Structured logs (observe/logs.py): "json" or "text", and the level.
+LOG_ENV: Final = "FERROGRPC_LOG"
+LOG_LEVEL_ENV: Final = "FERROGRPC_LOG_LEVEL"
 # glibc's own: a user who set these capped the arenas themselves.
 GLIBC_ARENA_ENV: Final = "MALLOC_ARENA_MAX"
 GLIBC_TUNABLES_ENV: Final = "GLIBC_TUNABLES"
@@ -164,6 +167,9 @@ class Settings:
     metrics_port: int | None = None
     trace_dir: str | None = None
     flight_dir: str | None = None
+    # None: the application's own logging configuration (nothing installed).
+    log_format: str | None = None
+    log_level: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -189,6 +195,14 @@ class Settings:
         metrics_port = _int(env, METRICS_PORT_ENV)
         if metrics_port is not None and not 0 <= metrics_port < 65536:
             raise ConfigError(f"{METRICS_PORT_ENV}={metrics_port} is not a port (0 to 65535)")
+        log_format = (env.get(LOG_ENV) or "").strip().lower() or None
+        if log_format not in (None, "json", "text"):
+            raise ConfigError(f"{LOG_ENV}={env.get(LOG_ENV)!r}: use json or text")
+        log_level = (env.get(LOG_LEVEL_ENV) or "").strip().upper() or None
+        if log_level not in (None, "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ConfigError(
+                f"{LOG_LEVEL_ENV}={env.get(LOG_LEVEL_ENV)!r}: use DEBUG, INFO, WARNING or ERROR"
+            )
         threads = _int(env, REDUCE_THREADS_ENV)
         if threads is not None and threads < 0:
             raise ConfigError(f"{REDUCE_THREADS_ENV}={threads} must be 0 or more")
@@ -223,6 +237,8 @@ class Settings:
             metrics_port=metrics_port,
             trace_dir=env.get(TRACE_ENV) or None,
             flight_dir=env.get(FLIGHT_DIR_ENV) or None,
+            log_format=log_format,
+            log_level=log_level,
             user_arena_max=GLIBC_ARENA_ENV in env or "arena_max" in env.get(GLIBC_TUNABLES_ENV, ""),
         )
 

@@ -130,12 +130,22 @@ class FailurePolicy:
         self._life = life
         self._broken_event = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
-        self._log = logging.LoggerAdapter(logger, {"rank": identity.rank})
 
     @property
     def broken(self) -> FerroGrpcError | None:
         """The failure that broke this rank, or None."""
         return self._life.cause
+
+    def _fields(self, err: FerroGrpcError, peer: int | None = None) -> dict[str, Any]:
+        """A log line's fields (observe/logs.py, [Note: logs]) for ``err``."""
+        me = self.identity
+        return {
+            "rank": me.rank,
+            "world_size": me.world_size,
+            "op": err.op,
+            "seq": err.seq,
+            "peer": err.peer if peer is None else peer,
+        }
 
     # ------------------------------------------------------------ reports
 
@@ -257,6 +267,8 @@ class FailurePolicy:
         first call counts."""
         if not self._life.break_with(err):
             return
+        # One structured line per break (INFO: the error itself is raised).
+        logger.info("broke: %s", err.message, extra=self._fields(err))
         self._broken_event.set()
         if self._on_break is not None:
             self._on_break(err)
@@ -286,7 +298,9 @@ class FailurePolicy:
         try:
             await self._notifier.send_abort(dst, abort, timeout=ABORT_SEND_S)
         except FerroGrpcError as exc:
-            self._log.debug("abort to rank %d not delivered: %s", dst, exc)
+            logger.debug(
+                "abort to rank %d not delivered: %s", dst, exc, extra=self._fields(exc, peer=dst)
+            )
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -51,6 +52,9 @@ class Span:
     end: float
     args: dict[str, Any]
     thread: int
+
+
+logger = logging.getLogger("ferrogrpc")
 
 
 class Observer:
@@ -131,7 +135,22 @@ class Observer:
     def broke(self, err: FerroGrpcError) -> None:
         """The rank broke with ``err``: dump the flight recorder (when a
         directory is set), then tell the break sinks. Never raises."""
-        self.flight.dump(err)
+        path = self.flight.dump(err)
+        if path is not None:
+            me = self.identity
+            logger.warning(
+                "rank %d: flight record written to %s (ferrogrpc diagnose %s)",
+                me.rank,
+                path,
+                path.parent,
+                extra={
+                    "rank": me.rank,
+                    "world_size": me.world_size,
+                    "op": err.op,
+                    "seq": err.seq,
+                    "peer": err.peer,
+                },
+            )
         for sink in self.break_sinks:
             # A sink must not hide the failure being reported.
             with contextlib.suppress(Exception):
