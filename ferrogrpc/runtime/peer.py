@@ -27,6 +27,7 @@ from ..algorithms.staging import Stage
 from ..control.rendezvous import Rendezvous
 from ..env import Settings
 from ..errors import CollectiveTimeoutError, ConfigError, FerroGrpcError, Identity, PeerError
+from ..observe import trace
 from ..observe.observer import Observer
 from ..ops import DTYPE_TO_WIRE, ReduceOp
 from ..options import ChunkPolicy, Timeouts, TLSConfig
@@ -211,6 +212,11 @@ class Peer:
                     await peer._open_mesh(bind_host, s.timeouts.connect)
                 else:
                     await peer._check_ring(s.timeouts.connect)
+                if s.trace_dir:
+                    # Every rank can answer a ping now: the trace's clock offset.
+                    await trace.measure_clock(
+                        parts.observer, parts.ctx.transport, s.timeouts.connect
+                    )
         except BaseException:
             if peer is not None and peer._mesh is not None:
                 peer._mesh.close()

@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -16,8 +17,10 @@ from torch import nn
 from ..algorithms.quantized import ErrorFeedback
 from ..elastic.backend import ElasticBackend
 from ..errors import ConfigError, FerroGrpcError
+from ..observe.observer import DDP_BUCKET, DDP_BUCKET_WAIT, Observer, Span
 from ..ops import SUPPORTED_DTYPES
 from ..runtime.backend import Backend
+from ..runtime.peer import observer_of
 from ..runtime.work import Work
 from .fingerprint import broadcast_in_place, check_same_model
 
@@ -50,6 +53,10 @@ class _Bucket:
     # compression="int8": the rounding errors this bucket carries into its
     # next sync (error feedback); the flags travel unrounded.
     feedback: ErrorFeedback | None = None
+    # Traced: when its all-reduce was launched (wall clock), and a future of
+    # when it finished (perf_counter), for the "DDP buckets" span.
+    launched_at: float = 0.0
+    done_at: concurrent.futures.Future[float] | None = None
 
     @property
     def buffer(self) -> torch.Tensor | None:
@@ -313,11 +320,13 @@ class DDP(nn.Module):
         # (int8 buckets are not chained: each has CPU phases, rounding and
         # summing, during which another bucket's bytes can use the link.)
         after = self._last_work if chain and feedback is None else None
+        launched_at = time.time()
         try:
             bucket.work = self._backend.all_reduce(
                 buf, "mean", async_op=True, after=after, wire_dtype=wire, feedback=feedback
             )
         except FerroGrpcError as exc:
+            bucket.done_at = None
             # The backend broke (a peer failed) while backward still runs:
             # raising here, from an autograd hook, would abort backward
             # halfway through accumulating .grad. The error is
@@ -325,7 +334,40 @@ class DDP(nn.Module):
             failed: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
             failed.set_exception(exc)
             bucket.work = Work(failed, "all_reduce")
+        else:
+            if self._observer().span_sinks:
+                bucket.launched_at = launched_at
+                bucket.done_at = bucket.work.when_done()
         self._last_work = bucket.work
+
+    def _observer(self) -> Observer:
+        # The current peer's (an elastic backend's changes with the epoch).
+        return observer_of(self._backend.peer)
+
+    def _wait(self, bucket: _Bucket, observer: Observer) -> None:
+        """Wait for ``bucket``'s all-reduce: a "DDP waits" span when traced,
+        and the bucket's own span, launch to done."""
+        work = bucket.work
+        assert work is not None
+        nbytes = self._buffer(bucket).nbytes
+        with observer.span(
+            DDP_BUCKET_WAIT, f"wait for bucket {bucket.index}", bucket=bucket.index, bytes=nbytes
+        ):
+            work.wait()
+        stamp, bucket.done_at = bucket.done_at, None
+        if stamp is not None and observer.span_sinks:
+            # when_done's perf_counter stamp, as a wall-clock time.
+            done = time.time() - (time.perf_counter() - stamp.result())
+            span = Span(
+                DDP_BUCKET,
+                f"bucket {bucket.index}",
+                bucket.launched_at,
+                done,
+                {"bucket": bucket.index, "bytes": nbytes, "params": len(bucket.params)},
+                threading.get_ident(),
+            )
+            for sink in observer.span_sinks:
+                sink(span)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self._sync_enabled:
@@ -382,6 +424,8 @@ class DDP(nn.Module):
         waits for each before starting the next, ``chained`` queues each
         behind the previous (as the overlap hooks do), ``concurrent`` starts
         them all at once."""
+        observer = self._observer()
+        waited: set[int] = set()
         with self._lock:
             for bucket in self._buckets:
                 if not bucket.launched:
@@ -390,13 +434,12 @@ class DDP(nn.Module):
                             self._fill(bucket, i, p)
                     self._launch(bucket, chain=mode == "chained")
                     if mode == "in_turn":
-                        assert bucket.work is not None
-                        bucket.work.wait()
-            works = [b.work for b in self._buckets]
+                        self._wait(bucket, observer)
+                        waited.add(bucket.index)
         try:
-            for work in works:
-                assert work is not None
-                work.wait()
+            for bucket in self._buckets:
+                if bucket.index not in waited:
+                    self._wait(bucket, observer)
         finally:
             self._reset()
 

@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..observe.observer import FSDP_GATHER_WAIT, FSDP_REDUCE_WAIT
 from ..ops import SUPPORTED_DTYPES
 from ..runtime.backend import Backend
+from ..runtime.peer import observer_of
 from ..runtime.work import Work
 from .fingerprint import check_same_model
 from .fsdp_plan import ShardedParam, Units, plan_units, unit_matcher
@@ -216,8 +218,11 @@ class FSDP(nn.Module):
             )
             works.append(self._backend.all_gather_into_tensor(out, e.shard.detach(), async_op=True))
             outs.append(out)
-        for work in works:
-            work.wait()
+        nbytes = sum(out.nbytes for out in outs)
+        observer = observer_of(self._backend.peer)
+        with observer.span(FSDP_GATHER_WAIT, "gather <root>", unit="<root>", bytes=nbytes):
+            for work in works:
+                work.wait()
         return [out[: e.numel].view(e.shape) for out, e in zip(outs, self._entries, strict=True)]
 
     def _install(self) -> None:
@@ -274,8 +279,11 @@ class FSDP(nn.Module):
             works.append(self._backend.reduce_scatter_tensor(out, padded, "mean", async_op=True))
             grads.append(out)
             del padded
-        for work in works:
-            work.wait()
+        nbytes = sum(g.nbytes for g in grads) * self._world
+        observer = observer_of(self._backend.peer)
+        with observer.span(FSDP_REDUCE_WAIT, "reduce-scatter <root>", unit="<root>", bytes=nbytes):
+            for work in works:
+                work.wait()
         for e, g in zip(self._entries, grads, strict=True):
             if e.shard.requires_grad:
                 e.shard.grad = g

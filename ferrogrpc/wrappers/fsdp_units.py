@@ -15,7 +15,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..observe.observer import FSDP_GATHER_WAIT, FSDP_REDUCE_WAIT
 from ..runtime.backend import Backend
+from ..runtime.peer import observer_of
 from ..runtime.work import Work
 from .fsdp_plan import ShardedParam, UnitPlan
 
@@ -64,10 +66,13 @@ class UnitRuntime:
         reshard_after_forward: bool,
     ) -> None:
         self._backend = backend
+        # Where the waits are told (spans: the trace, metrics).
+        self._observer = observer_of(backend.peer)
         self._world = backend.world_size
         self._reshard = reshard_after_forward
         self._lock = threading.RLock()
         self.units = [_Unit(plan, [by_name[n] for n in plan.names]) for plan in plans]
+        self._unit_of = {id(e): u.name for u in self.units for e in u.entries}
         self._root = self.units[0]
         self._order: list[_Unit] = []  # forward execution order, from the first forward
         self._frozen = False
@@ -116,8 +121,12 @@ class UnitRuntime:
         self._issue(unit)
         if unit.gathers is None:
             return
-        for work in unit.gathers:
-            work.wait()
+        nbytes = sum(e.full.nbytes for e in unit.entries if e.full is not None)
+        with self._observer.span(
+            FSDP_GATHER_WAIT, f"gather {unit.name}", unit=unit.name, bytes=nbytes
+        ):
+            for work in unit.gathers:
+                work.wait()
         unit.gathers = None
         for e in unit.entries:
             assert e.full is not None
@@ -341,9 +350,17 @@ class UnitRuntime:
             finally:
                 pending, self._pending, self._rounds = self._pending, [], 0
         failure: BaseException | None = None
-        for _, work, _ in pending:
+        for e, work, out in pending:
+            owner = self._unit_of.get(id(e), "?")
             try:
-                work.wait()
+                with self._observer.span(
+                    FSDP_REDUCE_WAIT,
+                    f"reduce-scatter {owner}",
+                    unit=owner,
+                    param=e.name,
+                    bytes=out.nbytes * self._world,
+                ):
+                    work.wait()
             except BaseException as exc:  # wait for every one, then raise the first
                 failure = failure or exc
         if failure is not None:
