@@ -335,20 +335,28 @@ class DDP(nn.Module):
             failed.set_exception(exc)
             bucket.work = Work(failed, "all_reduce")
         else:
-            if self._observer().span_sinks:
+            observer = self._observer()
+            if observer is not None and observer.span_sinks:
                 bucket.launched_at = launched_at
                 bucket.done_at = bucket.work.when_done()
         self._last_work = bucket.work
 
-    def _observer(self) -> Observer:
-        # The current peer's (an elastic backend's changes with the epoch).
-        return observer_of(self._backend.peer)
+    def _observer(self) -> Observer | None:
+        """The current peer's observer (an elastic backend's changes with the
+        epoch); None for an elastic process in no group yet."""
+        try:
+            return observer_of(self._backend.peer)
+        except FerroGrpcError:
+            return None
 
-    def _wait(self, bucket: _Bucket, observer: Observer) -> None:
+    def _wait(self, bucket: _Bucket, observer: Observer | None) -> None:
         """Wait for ``bucket``'s all-reduce: a "DDP waits" span when traced,
         and the bucket's own span, launch to done."""
         work = bucket.work
         assert work is not None
+        if observer is None:
+            work.wait()
+            return
         nbytes = self._buffer(bucket).nbytes
         with observer.span(
             DDP_BUCKET_WAIT, f"wait for bucket {bucket.index}", bucket=bucket.index, bytes=nbytes
