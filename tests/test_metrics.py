@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections import defaultdict
@@ -19,6 +20,7 @@ from collections import defaultdict
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from torch import nn
 
 import ferrogrpc as fg
 from ferrogrpc.control.coordinator import Coordinator, CoordinatorRendezvous
@@ -27,6 +29,7 @@ from ferrogrpc.env import Settings
 from ferrogrpc.observe import metrics
 from ferrogrpc.runtime.peer import Peer, observer_of
 from ferrogrpc.testing import Fault, FaultKind, local_group
+from tests.helpers import backends, on_ranks
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -255,3 +258,37 @@ def _output_of(main: object, argv: list[str]) -> str:
     with redirect_stdout(out):
         assert main(argv) == 0  # type: ignore[operator]
     return out.getvalue()
+
+
+def test_ddp_bucket_waits_are_timed_once_per_bucket_per_step() -> None:
+    steps = 3
+    ranks = backends(2, metrics_port=0)
+    try:
+        torch.manual_seed(0)
+        models = [nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4)) for _ in ranks]
+        ddps = on_ranks(lambda r: fg.DDP(models[r], ranks[r], bucket_size_bytes=1024), 2)
+        url = url_of(ranks[0].peer)
+        before = scrape(url)
+        x = torch.randn(6, 8)
+
+        def train(r: int) -> float:
+            start = time.monotonic()
+            for _ in range(steps):
+                ddps[r](x[r * 3 : (r + 1) * 3]).sum().backward()
+                ddps[r].sync_gradients()
+            return time.monotonic() - start
+
+        took = on_ranks(train, 2)
+        d = delta(scrape(url), before)
+    finally:
+        for b in ranks:
+            b.close()
+    for r in range(2):
+        # Each bucket is one all-reduce per step, and one wait for it.
+        reduces = value(d, "ferrogrpc_collectives_total", rank=r, op="all_reduce", outcome="done")
+        assert reduces >= steps and reduces % steps == 0, d
+        waits = value(d, "ferrogrpc_ddp_bucket_wait_seconds_count", rank=r)
+        assert waits == reduces, d
+        waited = value(d, "ferrogrpc_ddp_bucket_wait_seconds_sum", rank=r)
+        assert 0 < waited < took[r]
+    assert metrics.servers() == []

@@ -1,0 +1,229 @@
+"""What observability costs a DDP training step (issue 32), measured alternated.
+
+    python scripts/observe_overhead.py [--rounds 8] [--steps 8] [--world-size 2]
+
+Each rank (local processes) trains client/bench_train.py's DDP model (an MLP
+of about 25M float32 parameters) with ``fg.DDP`` and metrics served
+(``metrics_port=0``). A *mode* is what is on for a step:
+
+- ``off``: the metrics sinks detached from the rank's observer, no scrape;
+- ``sinks``: the sinks attached (one per ended collective, one per DDP
+  bucket wait), no scrape;
+- ``metrics``: the sinks attached, and a thread in each rank scraping its
+  own endpoint every second, as Prometheus would.
+
+Every round runs ``--steps`` steps of each mode, the order rotating between
+rounds, so that the shared machine's slow and fast spells fall on both
+alike. A step is forward + backward + gradient sync + optimizer step, timed
+on rank 0 after a barrier. Printed: each round's median per mode, and the
+overhead of each mode over ``off`` per round (the spread), then the median
+and range over the rounds. Add a mode to MODES to measure another sink.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from client.bench_train import build_model
+from client.common import collect, rotated
+from ferrogrpc.testing import spawn_ranks
+
+MODES = ("off", "sinks", "metrics")
+SCRAPE_S = 1.0
+
+
+class Scraper:
+    """Scrapes ``url`` every SCRAPE_S while on (a thread)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.on = threading.Event()
+        self.scrapes = 0
+        self.seconds = 0.0  # spent scraping (the rank serving, mostly)
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            self.on.wait()
+            start = time.perf_counter()
+            with urllib.request.urlopen(self.url, timeout=10) as response:
+                response.read()
+            self.seconds += time.perf_counter() - start
+            self.scrapes += 1
+            time.sleep(SCRAPE_S)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    from torch import nn
+
+    import ferrogrpc as fg
+    from ferrogrpc.observe import metrics
+    from ferrogrpc.runtime.peer import observer_of
+
+    torch.set_num_threads(1)
+    backend = fg.init_backend(metrics_port=0)
+    rank = backend.rank
+    observer = observer_of(backend.peer)
+    server = metrics.server_of(observer)
+    assert server is not None
+    scraper = Scraper(f"http://127.0.0.1:{server.port}/metrics")
+    # The sinks, each timed (two clock reads more): their own cost, apart
+    # from the step's noise.
+    spent = [0.0, 0]
+
+    def timed(sink: Callable[[Any], None]) -> Callable[[Any], None]:
+        def call(item: Any) -> None:
+            start = time.perf_counter()
+            sink(item)
+            spent[0] += time.perf_counter() - start
+            spent[1] += 1
+
+        return call
+
+    attached = (
+        [timed(s) for s in observer.collective_sinks],
+        [timed(s) for s in observer.span_sinks],
+    )
+
+    def set_mode(mode: str) -> None:
+        on = mode != "off"
+        observer.collective_sinks[:] = attached[0] if on else []
+        observer.span_sinks[:] = attached[1] if on else []
+        if mode == "metrics":
+            scraper.on.set()
+        else:
+            scraper.on.clear()
+
+    model = build_model(args.width, args.depth, io=args.io)
+    ddp = fg.DDP(model, backend)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, args.io, generator=gen)
+    y = torch.randn(args.batch, args.io, generator=gen)
+
+    def step() -> float:
+        backend.barrier()
+        start = time.perf_counter()
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()  # type: ignore[no-untyped-call]
+        ddp.sync_gradients()
+        opt.step()
+        return time.perf_counter() - start
+
+    for mode in MODES:
+        set_mode(mode)
+        for _ in range(args.warmup):
+            step()
+    spent[:] = [0.0, 0]
+    scraper.seconds, scraper.scrapes = 0.0, 0
+    sink_steps = 0
+    rounds: list[dict[str, list[float]]] = []
+    for i in range(args.rounds):
+        times: dict[str, list[float]] = {m: [] for m in MODES}
+        for mode in rotated(list(MODES), i):
+            set_mode(mode)
+            for _ in range(args.steps):
+                times[mode].append(step())
+            sink_steps += args.steps if mode != "off" else 0
+        rounds.append(times)
+    set_mode("off")
+    params = sum(p.numel() for p in model.parameters())
+    if rank == 0:
+        out = {
+            "params": params,
+            "rounds": rounds,
+            "scrapes": scraper.scrapes,
+            "scrape_s": scraper.seconds,
+            "sink_s": spent[0],
+            "sink_calls": spent[1],
+            "sink_steps": sink_steps,
+        }
+        print("RESULT " + json.dumps(out), flush=True)
+    backend.close()
+
+
+def report(data: dict[str, Any], args: argparse.Namespace, say: Callable[[str], None]) -> None:
+    rounds: list[dict[str, list[float]]] = data["rounds"]
+    say(
+        f"# DDP step, MLP {data['params'] / 1e6:.1f}M float32 params, world size "
+        f"{args.world_size}, batch {args.batch}/rank; {args.rounds} rounds x {args.steps} steps "
+        f"per mode, alternated; rank 0 scraped {data['scrapes']} times (every {SCRAPE_S:g} s "
+        "while metrics were on)"
+    )
+    others = [m for m in MODES if m != "off"]
+    say(
+        "| round | "
+        + " | ".join(f"{m} median ms" for m in MODES)
+        + " | "
+        + " | ".join(f"{m} vs off" for m in others)
+        + " |"
+    )
+    say("|---" * (1 + len(MODES) + len(others)) + "|")
+    overheads: dict[str, list[float]] = {m: [] for m in others}
+    for i, times in enumerate(rounds):
+        med = {m: statistics.median(t) for m, t in times.items()}
+        for m in others:
+            overheads[m].append(med[m] / med["off"] - 1)
+        cells = " | ".join(f"{med[m] * 1e3:.1f}" for m in MODES)
+        overs = " | ".join(f"{overheads[m][-1] * 100:+.2f}%" for m in others)
+        say(f"| {i} | {cells} | {overs} |")
+    pooled = {m: statistics.median([t for r in rounds for t in r[m]]) for m in MODES}
+    step_s = pooled["off"]
+    per_step = data["sink_s"] / max(1, data["sink_steps"])
+    per_scrape = data["scrape_s"] / max(1, data["scrapes"])
+    say(
+        f"direct cost on rank 0: the sinks {per_step * 1e6:.0f} us per step "
+        f"({data['sink_calls'] / max(1, data['sink_steps']):.0f} calls; "
+        f"{per_step / step_s * 100:.3f}% of a step), a scrape {per_scrape * 1e3:.2f} ms "
+        f"(once a second: {per_scrape / SCRAPE_S * 100:.2f}% of the rank's time)"
+    )
+    for m in others:
+        o = overheads[m]
+        say(
+            f"{m} vs off: median of the rounds {statistics.median(o) * 100:+.2f}% (range "
+            f"{min(o) * 100:+.2f}% to {max(o) * 100:+.2f}%); pooled medians "
+            f"{pooled['off'] * 1e3:.1f} ms off, {pooled[m] * 1e3:.1f} ms {m} "
+            f"({(pooled[m] / pooled['off'] - 1) * 100:+.2f}%)"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--depth", type=int, default=1)
+    parser.add_argument("--io", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker"]
+    for name in ("rounds", "steps", "warmup", "width", "depth", "io", "batch"):
+        cmd += [f"--{name}", str(getattr(args, name))]
+    procs = spawn_ranks(args.world_size, cmd, OMP_NUM_THREADS="1")
+    report(collect(procs, 1800, "observe_overhead"), args, print)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
