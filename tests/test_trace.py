@@ -15,6 +15,7 @@ their own.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import itertools
@@ -32,6 +33,7 @@ from torch import nn
 
 import ferrogrpc as fg
 from ferrogrpc.cli import main as cli_main
+from ferrogrpc.env import Settings
 from ferrogrpc.errors import Identity, PeerError
 from ferrogrpc.observe import trace
 from ferrogrpc.observe.clock import ClockOffset, measure, offset_from
@@ -417,6 +419,35 @@ def test_two_processes_with_a_skewed_clock_line_up(tmp_path: Path) -> None:
 # ---------------------------------------------------------- the file itself
 
 
+async def test_a_rank_that_breaks_writes_its_trace_before_it_closes(tmp_path: Path) -> None:
+    settings = Settings(trace_dir=str(tmp_path))
+    async with local_group(2, settings=settings) as peers:
+        writer = trace.writer_of(observer_of(peers[0]))
+        assert writer is not None and writer.clock is not None
+        await asyncio.gather(*(p.all_reduce(torch.ones(10)) for p in peers))
+        await peers[1].close()
+        with pytest.raises(PeerError):
+            await peers[0].all_reduce(torch.ones(10))
+        assert writer.writing is not None
+        writer.writing.join(30)
+        # Written at the break (in its own thread): what had ended by then,
+        # the good all-reduce at least, while the peer is still open.
+        data = json.loads(writer.path.read_text())
+        assert data["otherData"]["complete"] is False
+        ended = [e["args"] for e in data["traceEvents"] if e.get("cat") == "collective"]
+        assert ("all_reduce", 40, "done") in [(a["op"], a["bytes"], a["state"]) for a in ended]
+    # Written again at close: the failed collective too, and whom it blamed.
+    data = json.loads(writer.path.read_text())
+    assert data["otherData"]["complete"] is True
+    last = [e["args"] for e in data["traceEvents"] if e.get("cat") == "collective"][-1]
+    assert (last["op"], last["state"], last["error"], last["culprit"]) == (
+        "all_reduce",
+        "failed",
+        "PeerError",
+        1,
+    )
+
+
 def test_memory_stays_bounded_and_the_file_keeps_the_last_events(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -429,6 +460,8 @@ def test_memory_stays_bounded_and_the_file_keeps_the_last_events(
         assert len(writer._buffer) < 10
     # A break writes the file (the run may end there); events go on.
     writer.broke(PeerError("rank 1 died", peer=1))
+    assert writer.writing is not None
+    writer.writing.join(30)
     broke = json.loads(writer.path.read_text())
     assert broke["otherData"]["complete"] is False
     writer.close()

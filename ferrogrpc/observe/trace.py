@@ -50,9 +50,9 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from ..errors import FerroGrpcError, Identity
 from ..transport.streams import Transport
@@ -180,6 +180,9 @@ class TraceWriter:
         # once measured (measure_clock).
         self.clock: ClockOffset | None = SAME_CLOCK if identity.rank == 0 else None
         self._lock = threading.Lock()
+        # One file write at a time (a break's, close's, exit's).
+        self._file_lock = threading.Lock()
+        self.writing: threading.Thread | None = None
         self._buffer: list[str] = []
         self._meta: list[str] = []
         self._segments: collections.deque[tuple[Path, int]] = collections.deque()
@@ -230,8 +233,10 @@ class TraceWriter:
 
     def broke(self, err: FerroGrpcError) -> None:
         """The rank broke: write the file now (the process may not get to
-        close the peer)."""
-        self.write()
+        close the peer), in a thread of its own (``writing``): the loop that
+        called this goes on telling the other ranks."""
+        self.writing = threading.Thread(target=self.write, name="ferrogrpc-trace", daemon=True)
+        self.writing.start()
 
     def close(self) -> None:
         """The peer closed: write the file, delete the spool, take no more
@@ -242,15 +247,7 @@ class TraceWriter:
         """Write the file one last time (``complete``: the peer closed, not
         the interpreter exiting around it), delete the spool, and take no
         more events."""
-        with self._lock:
-            if self._closed:
-                return
-            self._write_locked(complete=complete)
-            self._closed = True
-            for segment, _ in self._segments:
-                with contextlib.suppress(OSError):
-                    segment.unlink()
-            self._segments.clear()
+        self._write(final=complete)
         _live.discard(self)
 
     # ------------------------------------------------------------ the events
@@ -344,39 +341,62 @@ class TraceWriter:
     def write(self) -> Path | None:
         """Write the file with every event so far (the writer goes on); its
         path, or None if it could not be written (logged) or is closed."""
-        with self._lock:
-            if self._closed:
-                return None
-            return self._write_locked(complete=False)
+        return self._write(final=None)
 
-    def _write_locked(self, complete: bool) -> Path | None:
-        self._spill()
+    def _write(self, final: bool | None) -> Path | None:
+        """Write the file; with ``final`` (whether complete), the last time.
+        The events are taken under the lock (the spool's segments opened,
+        and how many lines each holds), and the file is assembled outside
+        it, so the sinks never wait for the disk."""
+        with self._file_lock:
+            with self._lock:
+                if self._closed:
+                    return None
+                self._spill()
+                header = self.header(complete=bool(final))
+                meta = list(self._meta)
+                segments = list(self._segments)
+                if final is not None:
+                    self._closed = True
+                    self._segments.clear()
+                try:
+                    # Open now: a segment rotated away meanwhile stays readable.
+                    opened = [(path.open(), count) for path, count in segments]
+                except OSError as exc:
+                    logger.warning("rank %d: its trace spool is gone: %s", self.identity.rank, exc)
+                    opened = []
+            try:
+                return self._assemble(header, meta, opened)
+            finally:
+                for f, _ in opened:
+                    f.close()
+                if final is not None:
+                    for path, _ in segments:
+                        with contextlib.suppress(OSError):
+                            path.unlink()
+
+    def _assemble(
+        self, header: dict[str, Any], meta: list[str], segments: Sequence[tuple[TextIO, int]]
+    ) -> Path | None:
+        spooled = (
+            line.rstrip("\n") for f, count in segments for line in itertools.islice(f, count)
+        )
         tmp = self.folder / f".{self.path.name}.tmp"
         try:
             with tmp.open("w") as f:
                 f.write('{"otherData": ')
-                f.write(json.dumps(self.header(complete)))
+                f.write(json.dumps(header))
                 f.write(',\n"displayTimeUnit": "ms",\n"traceEvents": [\n')
-                first = True
-                for line in itertools.chain(self._meta, self._spooled()):
-                    if not first:
-                        f.write(",\n")
+                f.write(",\n".join(meta))
+                for line in spooled:
+                    f.write(",\n")
                     f.write(line)
-                    first = False
                 f.write("\n]}\n")
             os.replace(tmp, self.path)
         except OSError as exc:
             logger.warning("rank %d: could not write its trace: %s", self.identity.rank, exc)
             return None
         return self.path
-
-    def _spooled(self) -> Iterator[str]:
-        for path, _ in self._segments:
-            with path.open() as f:
-                for line in f:
-                    line = line.rstrip("\n")
-                    if line:
-                        yield line
 
 
 @atexit.register
