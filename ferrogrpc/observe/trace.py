@@ -446,7 +446,12 @@ def merge(directory: str | Path, out: str | Path) -> dict[str, Any]:
     clock.py). Returns the merged file's ``otherData``: the ranks' headers,
     and which ranks had no offset (left on their own clock). Raises
     ValueError for a directory without trace files or a file that is not
-    one."""
+    one.
+
+    An elastic run leaves one file per process per epoch (``group`` in the
+    header tells them apart); each goes into the process of the rank it
+    had then, aligned to that epoch's rank 0 (on one host, the same
+    clock)."""
     events: list[dict[str, Any]] = []
     headers: list[dict[str, Any]] = []
     unaligned: list[int] = []
