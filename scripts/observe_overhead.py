@@ -6,7 +6,10 @@ Each rank (local processes) trains client/bench_train.py's DDP model (an MLP
 of about 25M float32 parameters) with ``fg.DDP`` and metrics served
 (``metrics_port=0``). A *mode* is what is on for a step:
 
-- ``off``: the metrics sinks detached from the rank's observer, no scrape;
+- ``bare``: no flight recorder either (the observer records nothing): the
+  engine as it was before issue 32, to measure the always-on recorder;
+- ``off``: the metrics sinks detached from the rank's observer, no scrape
+  (the default: the flight recorder alone);
 - ``sinks``: the sinks attached (one per ended collective, one per DDP
   bucket wait), no scrape;
 - ``metrics``: the sinks attached, and a thread in each rank scraping its
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -40,7 +44,7 @@ from client.bench_train import build_model
 from client.common import collect, rotated
 from ferrogrpc.testing import spawn_ranks
 
-MODES = ("off", "sinks", "metrics")
+MODES = ("bare", "off", "sinks", "metrics")
 SCRAPE_S = 1.0
 
 
@@ -98,8 +102,34 @@ def worker(args: argparse.Namespace) -> None:
         [timed(s) for s in observer.span_sinks],
     )
 
+    # The flight recorder's calls, timed in the default mode (``off``), and
+    # switched off in ``bare``: ``called`` returning None makes the engine
+    # skip ``started`` and ``ended`` too.
+    recorder = [0.0, 0]
+    calls = {name: getattr(observer, name) for name in ("called", "started", "ended")}
+
+    def timed_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*a: Any) -> Any:
+            start = time.perf_counter()
+            out = fn(*a)
+            recorder[0] += time.perf_counter() - start
+            recorder[1] += 1
+            return out
+
+        return call
+
+    def set_recorder(mode: str) -> None:
+        for name, fn in calls.items():
+            if mode == "bare":
+                setattr(observer, name, (lambda *a: None) if name == "called" else fn)
+            elif mode == "off":
+                setattr(observer, name, timed_call(fn))
+            else:
+                setattr(observer, name, fn)
+
     def set_mode(mode: str) -> None:
-        on = mode != "off"
+        set_recorder(mode)
+        on = mode not in ("off", "bare")
         observer.collective_sinks[:] = attached[0] if on else []
         observer.span_sinks[:] = attached[1] if on else []
         if mode == "metrics":
@@ -128,8 +158,10 @@ def worker(args: argparse.Namespace) -> None:
         for _ in range(args.warmup):
             step()
     spent[:] = [0.0, 0]
+    recorder[:] = [0.0, 0]
     scraper.seconds, scraper.scrapes = 0.0, 0
     sink_steps = 0
+    recorder_steps = 0
     rounds: list[dict[str, list[float]]] = []
     for i in range(args.rounds):
         times: dict[str, list[float]] = {m: [] for m in MODES}
@@ -137,7 +169,8 @@ def worker(args: argparse.Namespace) -> None:
             set_mode(mode)
             for _ in range(args.steps):
                 times[mode].append(step())
-            sink_steps += args.steps if mode != "off" else 0
+            sink_steps += args.steps if mode in ("sinks", "metrics") else 0
+            recorder_steps += args.steps if mode == "off" else 0
         rounds.append(times)
     set_mode("off")
     params = sum(p.numel() for p in model.parameters())
@@ -150,9 +183,20 @@ def worker(args: argparse.Namespace) -> None:
             "sink_s": spent[0],
             "sink_calls": spent[1],
             "sink_steps": sink_steps,
+            "recorder_s": recorder[0],
+            "recorder_calls": recorder[1],
+            "recorder_steps": recorder_steps,
         }
         print("RESULT " + json.dumps(out), flush=True)
     backend.close()
+
+
+def median_ci(values: list[float]) -> tuple[float, float]:
+    """A distribution-free 95% interval of the median of ``values`` (order
+    statistics: the ranks n/2 -+ 1.96 sqrt(n)/2)."""
+    v, n = sorted(values), len(values)
+    k = 1.96 * math.sqrt(n) / 2
+    return v[max(0, int(n / 2 - k))], v[min(n - 1, math.ceil(n / 2 + k) - 1)]
 
 
 def report(data: dict[str, Any], args: argparse.Namespace, say: Callable[[str], None]) -> None:
@@ -164,6 +208,7 @@ def report(data: dict[str, Any], args: argparse.Namespace, say: Callable[[str], 
         "while metrics were on)"
     )
     others = [m for m in MODES if m != "off"]
+    # bare vs off is the recorder's cost the other way round: report off vs bare.
     say(
         "| round | "
         + " | ".join(f"{m} median ms" for m in MODES)
@@ -190,10 +235,27 @@ def report(data: dict[str, Any], args: argparse.Namespace, say: Callable[[str], 
         f"{per_step / step_s * 100:.3f}% of a step), a scrape {per_scrape * 1e3:.2f} ms "
         f"(once a second: {per_scrape / SCRAPE_S * 100:.2f}% of the rank's time)"
     )
+    per_rec = data["recorder_s"] / max(1, data["recorder_steps"])
+    say(
+        f"direct cost on rank 0: the flight recorder {per_rec * 1e6:.1f} us per step "
+        f"({data['recorder_calls'] / max(1, data['recorder_steps']):.0f} calls; "
+        f"{per_rec / step_s * 100:.4f}% of a step)"
+    )
     for m in others:
         o = overheads[m]
+        if m == "bare":
+            o = [1 / (1 + x) - 1 for x in o]  # the recorder: off vs bare
+            say(
+                "flight recorder (off vs bare): median of the rounds "
+                f"{statistics.median(o) * 100:+.2f}% "
+                f"(95% interval {median_ci(o)[0] * 100:+.2f}% to {median_ci(o)[1] * 100:+.2f}%) "
+                f"(range {min(o) * 100:+.2f}% to {max(o) * 100:+.2f}%); pooled medians "
+                f"{pooled['bare'] * 1e3:.1f} ms bare, {pooled['off'] * 1e3:.1f} ms off"
+            )
+            continue
         say(
-            f"{m} vs off: median of the rounds {statistics.median(o) * 100:+.2f}% (range "
+            f"{m} vs off: median of the rounds {statistics.median(o) * 100:+.2f}% "
+            f"(95% interval {median_ci(o)[0] * 100:+.2f}% to {median_ci(o)[1] * 100:+.2f}%; range "
             f"{min(o) * 100:+.2f}% to {max(o) * 100:+.2f}%); pooled medians "
             f"{pooled['off'] * 1e3:.1f} ms off, {pooled[m] * 1e3:.1f} ms {m} "
             f"({(pooled[m] / pooled['off'] - 1) * 100:+.2f}%)"

@@ -119,9 +119,17 @@ class Observer:
         try:
             yield
         finally:
-            span = Span(cat, name, start, time.time(), args, threading.get_ident())
-            for sink in self.span_sinks:
-                sink(span)
+            self.record(cat, name, start, time.time(), **args)
+
+    def record(self, cat: str, name: str, start: float, end: float, **args: Any) -> None:
+        """A span timed elsewhere (wall-clock ``start`` and ``end``): a wait
+        with no ``with`` block around it, such as a DDP bucket's all-reduce
+        from launch to done."""
+        if not self.span_sinks:
+            return
+        span = Span(cat, name, start, end, args, threading.get_ident())
+        for sink in self.span_sinks:
+            sink(span)
 
     def close(self) -> None:
         """The peer closed: tell the close sinks (once). Never raises."""

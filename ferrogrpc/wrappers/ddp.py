@@ -17,7 +17,7 @@ from torch import nn
 from ..algorithms.quantized import ErrorFeedback
 from ..elastic.backend import ElasticBackend
 from ..errors import ConfigError, FerroGrpcError
-from ..observe.observer import DDP_BUCKET, DDP_BUCKET_WAIT, Observer, Span
+from ..observe.observer import DDP_BUCKET, DDP_BUCKET_WAIT, Observer
 from ..ops import SUPPORTED_DTYPES
 from ..runtime.backend import Backend
 from ..runtime.peer import observer_of
@@ -366,16 +366,15 @@ class DDP(nn.Module):
         if stamp is not None and observer.span_sinks:
             # when_done's perf_counter stamp, as a wall-clock time.
             done = time.time() - (time.perf_counter() - stamp.result())
-            span = Span(
+            observer.record(
                 DDP_BUCKET,
                 f"bucket {bucket.index}",
                 bucket.launched_at,
                 done,
-                {"bucket": bucket.index, "bytes": nbytes, "params": len(bucket.params)},
-                threading.get_ident(),
+                bucket=bucket.index,
+                bytes=nbytes,
+                params=len(bucket.params),
             )
-            for sink in observer.span_sinks:
-                sink(span)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self._sync_enabled:
