@@ -29,6 +29,9 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -501,29 +504,129 @@ def test_docker_kill_of_a_replica_is_named_by_every_other_in_time(
         assert exited < DETECT_S, f"rank {rank} exited {exited:.2f}s after the kill: {message}"
 
 
-@pytest.mark.timeout(BUILD_TIMEOUT_S + 300)
+# docker-compose.yml's `monitoring` profile (issue 32): Prometheus, from
+# Debian's package (docker/prometheus/), finds every rank replica through
+# Docker's DNS and scrapes it and the coordinator. The elastic test below
+# runs with it and asks Prometheus's query API for every rank's series.
+PROMETHEUS_IMAGE = IMAGE.replace("ferrogrpc-test", "ferrogrpc-prometheus-test")
+PROMETHEUS_BUILD_TIMEOUT_S = 300
+PROMETHEUS_CONFIG = ROOT / "docker" / "prometheus" / "prometheus.yml"
+MONITORING = {
+    "COMPOSE_PROFILES": "monitoring",
+    "FERROGRPC_PROMETHEUS_IMAGE": PROMETHEUS_IMAGE,
+    "FERROGRPC_PROMETHEUS_PORT": "0",
+}
+
+
+def test_prometheus_scrapes_the_ports_compose_serves_metrics_on() -> None:
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    rank_sd = jobs["ferrogrpc-rank"]["dns_sd_configs"][0]
+    assert rank_sd["names"] == ["rank"] and rank_sd["type"] == "A"
+    assert str(rank_sd["port"]) == services["rank"]["environment"]["FERROGRPC_METRICS_PORT"]
+    command = services["coordinator"]["command"]
+    port = command[command.index("--metrics-port") + 1]
+    assert jobs["ferrogrpc-coordinator"]["static_configs"][0]["targets"] == [f"coordinator:{port}"]
+    assert services["prometheus"]["profiles"] == ["monitoring"]
+
+
+def _build_prometheus(project: Project) -> None:
+    build = subprocess.run(
+        [*COMPOSE, "build", "prometheus"],
+        cwd=ROOT,
+        env=project.env,
+        capture_output=True,
+        text=True,
+        timeout=PROMETHEUS_BUILD_TIMEOUT_S,
+        check=False,
+    )
+    assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
+
+
+def _published(project: Project, service: str, port: int) -> int:
+    def find() -> str:
+        proc = subprocess.run(
+            [*COMPOSE, "port", service, str(port)],
+            cwd=ROOT,
+            env=project.env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        return proc.stdout.strip() if proc.returncode == 0 else ""
+
+    return int(str(project.wait_for(f"{service}'s published port", 90, find)).rsplit(":")[-1])
+
+
+class Prometheus:
+    """The project's Prometheus, asked at every poll of the test's waits:
+    what it last held of each series, kept (a series goes stale once its
+    replica is gone)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        # By query: every answer, as {rank label ("?": none): value}.
+        self.seen: dict[str, list[dict[str, float]]] = {}
+
+    def query(self, promql: str) -> list[dict[str, object]]:
+        """An instant query's result vector ([] while Prometheus is not answering)."""
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode(
+            {"query": promql}
+        )
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                body = json.load(response)
+        except (urllib.error.URLError, ConnectionError, json.JSONDecodeError):
+            return []
+        assert body["status"] == "success", body
+        result: list[dict[str, object]] = body["data"]["result"]
+        return result
+
+    def poll(self, *queries: str) -> None:
+        """Ask each query once; keep each answer as {rank: value}."""
+        for promql in queries:
+            answer = {
+                str(s["metric"].get("rank", "?")): float(s["value"][1])  # type: ignore[attr-defined, index]
+                for s in self.query(promql)
+            }
+            if answer:
+                self.seen.setdefault(promql, []).append(answer)
+
+
+@pytest.mark.timeout(BUILD_TIMEOUT_S + PROMETHEUS_BUILD_TIMEOUT_S + 300)
 def test_elastic_compose_survives_a_docker_kill_and_a_scaled_up_replica_joins(
     image: Image, tmp_path: Path, report: Callable[[str], None]
 ) -> None:
     # README, "Elastic training": up --scale rank=4; docker kill one replica
     # mid-run, the other three go on; up -d --scale rank=4 again, and the new
     # replica joins. Every step, every member logs the same loss and
-    # parameter checksum.
-    steps = 100
+    # parameter checksum. With the monitoring profile: Prometheus holds a
+    # series from every rank, and sees the membership epoch move.
+    steps = 120
     variables = {
         "FERROGRPC_ELASTIC": "1",
         "FERROGRPC_WORLD_SIZE": str(RANKS),
         "FERROGRPC_STEPS": str(steps),
         "FERROGRPC_STEP_SLEEP": "0.05",
+        **MONITORING,
     }
+    collectives = 'ferrogrpc_collectives_total{job="ferrogrpc-rank",outcome="done"}'
+    epoch = 'ferrogrpc_membership_epoch{job="ferrogrpc-rank"}'
+    world = 'ferrogrpc_world_size{job="ferrogrpc-rank"}'
+    members = 'ferrogrpc_group_members{job="ferrogrpc-coordinator"}'
     with compose_project(image, tmp_path, **variables) as project:
+        _build_prometheus(project)
         project.start()
         _wait_healthy(project)
+        prometheus = Prometheus(_published(project, "prometheus", 9090))
 
         def records() -> list[Record]:
+            prometheus.poll(collectives, epoch, world, members)
             return [r for c in project.containers("rank") for r in _records(_logs(c))]
 
         def training() -> list[str]:
+            prometheus.poll(collectives, epoch, world, members)
             ids = project.containers("rank")
             ok = len(ids) == RANKS and all('"step": 5,' in _logs(c) for c in ids)
             return ids if ok else []
@@ -550,6 +653,16 @@ def test_elastic_compose_survives_a_docker_kill_and_a_scaled_up_replica_joins(
                 if r.get("world_size") == RANKS and int(r.get("epoch", 0)) > 2  # type: ignore[call-overload]
             ],
         )
+
+        def regrown_in_prometheus() -> bool:
+            prometheus.poll(collectives, epoch, world, members)
+            return any(
+                len(a) == RANKS and min(a.values()) > first_epoch
+                for a in prometheus.seen.get(epoch, [])
+            )
+
+        first_epoch = min(min(a.values()) for a in prometheus.seen.get(epoch, [{"?": 1.0}]))
+        project.wait_for("Prometheus to see the regrown group's epoch", 60, regrown_in_prometheus)
         project.wait_for(
             "the run to end",
             240,
@@ -573,8 +686,17 @@ def test_elastic_compose_survives_a_docker_kill_and_a_scaled_up_replica_joins(
     finished = [c for c, st in states.items() if st["ExitCode"] == 0]
     assert len(finished) >= RANKS, {c: st["ExitCode"] for c, st in states.items()}
     first_joined = min(int(r["step"]) for r in grown)  # type: ignore[call-overload]
+    # Prometheus held a series from each of the 4 ranks, counting
+    # collectives, with the world size; the coordinator's member count; and
+    # every rank of the regrown group at a later epoch than the first.
+    full = [a for a in prometheus.seen.get(collectives, []) if len(a) == RANKS]
+    assert full and set(full[0]) == {str(r) for r in range(RANKS)}, prometheus.seen
+    assert all(v > 0 for v in full[0].values()), full[0]
+    assert any(sorted(a.values()) == [RANKS] * RANKS for a in prometheus.seen.get(world, []))
+    assert {"?": RANKS} in prometheus.seen.get(members, []), prometheus.seen.get(members)
     report(
         f"compose elastic: docker kill of a replica, the others trained with "
         f"{RANKS - 1} within {smaller:.2f}s; the replica added by up -d --scale rank={RANKS} "
-        f"trained from step {first_joined}; {steps} steps, members identical at every step"
+        f"trained from step {first_joined}; {steps} steps, members identical at every step; "
+        f"Prometheus scraped all {RANKS} ranks, epochs {first_epoch:g} then later"
     )

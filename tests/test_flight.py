@@ -55,7 +55,7 @@ def test_a_rank_stopped_before_a_collective_is_named_from_the_dumps_alone(
         for rank in range(WORLD)
     ]
     try:
-        # The others give up on the stopped rank (idle timeout 2 s) and dump.
+        # The others give up on the stopped rank (idle timeout 1 s) and dump.
         wait_until(
             lambda: len(list(flight_dir.glob("flight-rank*.json"))) >= WORLD - 1,
             40,

@@ -4,7 +4,7 @@ STOP_STEP OUTDIR.
 
 The victim SIGSTOPs itself at step STOP_STEP, before its forward: it never
 calls that step's all-reduce, which the others wait in until their idle
-timeout. The test then wakes it (SIGCONT): it calls the all-reduce late,
+timeout (1 s). The test then wakes it (SIGCONT): it calls the all-reduce late,
 fails, and writes its own record too. Every rank prints one RESULT line,
 and then waits for OUTDIR/release before it closes (so that the woken
 victim still finds its peers' servers).
@@ -27,7 +27,7 @@ import ferrogrpc as fg
 
 def main() -> None:
     victim, stop_step, outdir = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
-    backend = fg.init_backend(timeouts=fg.Timeouts(collective=120, idle=2.0, connect=60))
+    backend = fg.init_backend(timeouts=fg.Timeouts(collective=120, idle=1.0, connect=60))
     rank = backend.rank
     torch.manual_seed(0)
     model = fg.DDP(nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)), backend)
