@@ -13,23 +13,51 @@ faulthandler.enable()
 # mismatch" SystemError (a run of test_refusal.py with another file passed
 # every test and still exited 1).
 
-_MEASUREMENTS: list[str] = []
-
 
 @pytest.fixture
-def report() -> Callable[[str], None]:
+def report(request: pytest.FixtureRequest) -> Callable[[str], None]:
     """Record a measurement (detection time, throughput...) to print in the
-    run's summary, so CI logs show it even when the test passes."""
+    run's summary, so CI logs show it even when the test passes. It travels
+    in the test's report (user_properties), so a pytest-xdist worker's
+    measurements reach the summary too."""
 
     def add(line: str) -> None:
         print(line)
-        _MEASUREMENTS.append(line)
+        request.node.user_properties.append(("measurement", line))
 
     return add
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _MEASUREMENTS:
+    lines = [
+        value
+        for reports in terminalreporter.stats.values()
+        for rep in reports
+        if getattr(rep, "when", None) == "call"
+        for name, value in getattr(rep, "user_properties", ())
+        if name == "measurement"
+    ]
+    if lines:
         terminalreporter.section("ferrogrpc measurements")
-        for line in _MEASUREMENTS:
-            terminalreporter.write_line(line)
+        for line in lines:
+            terminalreporter.write_line(str(line))
+
+
+# Files whose tests share the host's network set-up (network namespaces,
+# iptables/nftables rules, Docker's networks) or measure the host as a
+# whole: under pytest-xdist they run on one worker, one at a time.
+SYSTEM_FILES = {
+    "test_compose.py",
+    "test_multihost.py",
+    "test_slow_link.py",
+    "test_link_bench.py",
+    "test_train_link_bench.py",
+    "test_config.py",
+    "test_samehost_admission.py",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SYSTEM_FILES:
+            item.add_marker(pytest.mark.xdist_group("system"))
