@@ -13,7 +13,9 @@ of about 25M float32 parameters) with ``fg.DDP`` and metrics served
 - ``sinks``: the sinks attached (one per ended collective, one per DDP
   bucket wait), no scrape;
 - ``metrics``: the sinks attached, and a thread in each rank scraping its
-  own endpoint every second, as Prometheus would.
+  own endpoint every second, as Prometheus would;
+- ``trace``: the trace's sinks alone (``FERROGRPC_TRACE``; written to a
+  temporary directory), no metrics.
 
 Every round runs ``--steps`` steps of each mode, the order rotating between
 rounds, so that the shared machine's slow and fast spells fall on both
@@ -31,6 +33,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -44,7 +47,7 @@ from client.bench_train import build_model
 from client.common import collect, rotated
 from ferrogrpc.testing import spawn_ranks
 
-MODES = ("bare", "off", "sinks", "metrics")
+MODES = ("bare", "off", "sinks", "metrics", "trace")
 SCRAPE_S = 1.0
 
 
@@ -74,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch import nn
 
     import ferrogrpc as fg
-    from ferrogrpc.observe import metrics
+    from ferrogrpc.observe import metrics, trace
     from ferrogrpc.runtime.peer import observer_of
 
     torch.set_num_threads(1)
@@ -101,6 +104,20 @@ def worker(args: argparse.Namespace) -> None:
         [timed(s) for s in observer.collective_sinks],
         [timed(s) for s in observer.span_sinks],
     )
+    # The trace's sinks, timed apart.
+    traced = [0.0, 0]
+
+    def timed_trace(sink: Callable[[Any], None]) -> Callable[[Any], None]:
+        def call(item: Any) -> None:
+            start = time.perf_counter()
+            sink(item)
+            traced[0] += time.perf_counter() - start
+            traced[1] += 1
+
+        return call
+
+    writer = trace.attach(observer, tempfile.mkdtemp(prefix="observe-overhead-trace-"))
+    trace_sinks = ([timed_trace(writer.collective)], [timed_trace(writer.span)])
 
     # The flight recorder's calls, timed in the default mode (``off``), and
     # switched off in ``bare``: ``called`` returning None makes the engine
@@ -129,9 +146,12 @@ def worker(args: argparse.Namespace) -> None:
 
     def set_mode(mode: str) -> None:
         set_recorder(mode)
-        on = mode not in ("off", "bare")
+        on = mode in ("sinks", "metrics")
         observer.collective_sinks[:] = attached[0] if on else []
         observer.span_sinks[:] = attached[1] if on else []
+        if mode == "trace":
+            observer.collective_sinks[:] = trace_sinks[0]
+            observer.span_sinks[:] = trace_sinks[1]
         if mode == "metrics":
             scraper.on.set()
         else:
@@ -159,6 +179,8 @@ def worker(args: argparse.Namespace) -> None:
             step()
     spent[:] = [0.0, 0]
     recorder[:] = [0.0, 0]
+    traced[:] = [0.0, 0]
+    trace_steps = 0
     scraper.seconds, scraper.scrapes = 0.0, 0
     sink_steps = 0
     recorder_steps = 0
@@ -171,6 +193,7 @@ def worker(args: argparse.Namespace) -> None:
                 times[mode].append(step())
             sink_steps += args.steps if mode in ("sinks", "metrics") else 0
             recorder_steps += args.steps if mode == "off" else 0
+            trace_steps += args.steps if mode == "trace" else 0
         rounds.append(times)
     set_mode("off")
     params = sum(p.numel() for p in model.parameters())
@@ -186,6 +209,9 @@ def worker(args: argparse.Namespace) -> None:
             "recorder_s": recorder[0],
             "recorder_calls": recorder[1],
             "recorder_steps": recorder_steps,
+            "trace_s": traced[0],
+            "trace_calls": traced[1],
+            "trace_steps": trace_steps,
         }
         print("RESULT " + json.dumps(out), flush=True)
     backend.close()
@@ -240,6 +266,12 @@ def report(data: dict[str, Any], args: argparse.Namespace, say: Callable[[str], 
         f"direct cost on rank 0: the flight recorder {per_rec * 1e6:.1f} us per step "
         f"({data['recorder_calls'] / max(1, data['recorder_steps']):.0f} calls; "
         f"{per_rec / step_s * 100:.4f}% of a step)"
+    )
+    per_trace = data["trace_s"] / max(1, data["trace_steps"])
+    say(
+        f"direct cost on rank 0: the trace's sinks {per_trace * 1e6:.0f} us per step "
+        f"({data['trace_calls'] / max(1, data['trace_steps']):.0f} calls; "
+        f"{per_trace / step_s * 100:.3f}% of a step)"
     )
     for m in others:
         o = overheads[m]

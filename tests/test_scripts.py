@@ -28,7 +28,7 @@ RUNS: dict[str, tuple[list[str], str]] = {
     "mem_ceiling.py": (["--mib", "4", "--iters", "2"], "GB/s"),
     "observe_overhead.py": (
         ["--rounds", "2", "--steps", "1", "--warmup", "1", "--width", "64", "--io", "32"],
-        "metrics vs off",
+        "trace vs off",
     ),
     "own_cost.py": (["--world-size", "2", "--mib", "1", "--iters", "1"], "ms"),
     "small_cpu.py": (["--world", "2", "--calls", "20"], "us"),
