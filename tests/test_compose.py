@@ -298,10 +298,10 @@ def _time(stamp: str) -> float:
     return whole.timestamp() + float(f"0.{frac or 0}")
 
 
-def _published_port(project: Project) -> int:
-    def port() -> str:
+def _published(project: Project, service: str, port: int) -> int:
+    def find() -> str:
         proc = subprocess.run(
-            [*COMPOSE, "port", "coordinator", str(COORDINATOR_PORT)],
+            [*COMPOSE, "port", service, str(port)],
             cwd=ROOT,
             env=project.env,
             capture_output=True,
@@ -310,7 +310,12 @@ def _published_port(project: Project) -> int:
         )
         return proc.stdout.strip() if proc.returncode == 0 else ""
 
-    return int(str(project.wait_for("the coordinator's published port", 60, port)).rsplit(":")[-1])
+    return int(str(project.wait_for(f"{service}'s published port", 60, find)).rsplit(":")[-1])
+
+
+def _published_port(project: Project) -> int:
+    """The host port Docker published the coordinator's on."""
+    return _published(project, "coordinator", COORDINATOR_PORT)
 
 
 def _wait_healthy(project: Project) -> float:
@@ -542,21 +547,6 @@ def _build_prometheus(project: Project) -> None:
         check=False,
     )
     assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
-
-
-def _published(project: Project, service: str, port: int) -> int:
-    def find() -> str:
-        proc = subprocess.run(
-            [*COMPOSE, "port", service, str(port)],
-            cwd=ROOT,
-            env=project.env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        return proc.stdout.strip() if proc.returncode == 0 else ""
-
-    return int(str(project.wait_for(f"{service}'s published port", 90, find)).rsplit(":")[-1])
 
 
 class Prometheus:
