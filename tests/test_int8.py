@@ -267,8 +267,13 @@ def test_an_int8_all_reduce_whose_peer_closes_fails_and_resets_the_feedback() ->
             torch.randn(1 << 20), "mean", async_op=True, wire_dtype=torch.int8, feedback=feedback
         )
         b1.close()
-        with pytest.raises(fg.PeerError):
+        with pytest.raises(fg.PeerError) as caught:
             work.wait()
+        # Named as the call the user made; the message says which inner
+        # collective failed.
+        err = caught.value
+        assert err.op == "all_reduce" and err.rank == 0 and err.peer == 1, err
+        assert "wire_dtype=int8: its all_to_all#" in str(err) or "its all_gather#" in str(err)
         assert feedback.sent is None and feedback.parts == []
     finally:
         b0.close()

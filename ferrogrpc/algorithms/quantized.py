@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import copy
 import dataclasses
 import threading
 from collections.abc import Callable, Coroutine
@@ -54,6 +55,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..errors import FerroGrpcError
 from ..ops import ReduceOp
 
 BLOCK = 256  # elements per scale
@@ -244,7 +246,7 @@ def all_reduce_int8(
     numel = tensor.numel() - exact
     count = max(1, -(-numel // PIECE))
     if count == 1:
-        return _all_reduce_piece(peer, tensor, op, feedback)
+        return _named(_all_reduce_piece(peer, tensor, op, feedback))
     flat = tensor.detach().reshape(-1)
     direct = flat.device.type == "cpu" and tensor.is_contiguous()
     work = flat if direct else flat.to("cpu", copy=True)
@@ -268,13 +270,36 @@ def all_reduce_int8(
             if isinstance(result, BaseException):
                 if feedback is not None:
                     feedback.reset()
-                raise result
+                raise as_all_reduce(result) from result
         if not direct:
             with torch.no_grad():
                 tensor.copy_(work.view(tensor.shape))
         return tensor
 
     return run()
+
+
+def as_all_reduce(exc: BaseException) -> BaseException:
+    """A failure of one of the int8 all-reduce's inner collectives, as the
+    caller's ``all_reduce`` raises it: the same error (class, rank, peer,
+    evidence), named ``all_reduce``, its message saying which inner
+    collective failed (the flight record and the other ranks name that
+    one)."""
+    if not isinstance(exc, FerroGrpcError) or exc.op == "all_reduce":
+        return exc
+    inner = f"{exc.op}#{exc.seq}" if exc.seq is not None else str(exc.op)
+    named = copy.copy(exc)
+    named.op, named.seq = "all_reduce", None
+    named.message = f"(wire_dtype=int8: its {inner} failed) {exc.message}"
+    named.args = (named.message,)
+    return named
+
+
+async def _named(call: Coroutine[Any, Any, torch.Tensor]) -> torch.Tensor:
+    try:
+        return await call
+    except FerroGrpcError as exc:
+        raise as_all_reduce(exc) from exc
 
 
 def _all_reduce_piece(
