@@ -24,6 +24,9 @@ RANK_ENV: Final = "RANK"
 WORLD_SIZE_ENV: Final = "WORLD_SIZE"
 MASTER_ADDR_ENV: Final = "MASTER_ADDR"
 MASTER_PORT_ENV: Final = "MASTER_PORT"
+# The rank's place on its node, as torchrun and `ferrogrpc launch` set it
+# (the metrics port's offset).
+LOCAL_RANK_ENV: Final = "LOCAL_RANK"
 # Set by torchrun's agent, which then already serves the TCPStore.
 AGENT_STORE_ENV: Final = "TORCHELASTIC_USE_AGENT_STORE"
 RESTART_COUNT_ENV: Final = "TORCHELASTIC_RESTART_COUNT"
@@ -135,6 +138,7 @@ class Settings:
 
     rank: int | None = None
     world_size: int | None = None
+    local_rank: int | None = None
     master_addr: str | None = None
     master_port: int | None = None
     agent_store: bool = False
@@ -208,6 +212,7 @@ class Settings:
             raise ConfigError(f"{REDUCE_THREADS_ENV}={threads} must be 0 or more")
         return cls(
             rank=_int(env, RANK_ENV),
+            local_rank=_int(env, LOCAL_RANK_ENV),
             world_size=_int(env, WORLD_SIZE_ENV),
             master_addr=env.get(MASTER_ADDR_ENV) or None,
             master_port=_int(env, MASTER_PORT_ENV),

@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ from ferrogrpc.env import Settings
 from ferrogrpc.observe import metrics
 from ferrogrpc.runtime.peer import Peer, observer_of
 from ferrogrpc.testing import Fault, FaultKind, local_group
-from tests.helpers import backends, on_ranks
+from tests.helpers import backends, free_port, on_ranks, rank_env, spawn_rank, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -203,6 +204,40 @@ async def test_ranks_on_one_host_serve_on_port_plus_local_index_and_close_stops(
         assert url_of(peers[1]).endswith(f":{port}/metrics")
     assert metrics.servers() == []
     assert _serving_threads() == []
+
+
+@pytest.mark.timeout(60)
+def test_processes_with_shared_memory_off_serve_on_port_plus_local_rank(tmp_path: Path) -> None:
+    # Shared memory off, every rank is a host of its own (place 0): without
+    # LOCAL_RANK the second process could not bind the port and ran without
+    # metrics. torchrun and `ferrogrpc launch` set it; it picks the offset.
+    port, master = _free_pair(), free_port()
+    env = {
+        "FERROGRPC_SHM": "0",
+        "FERROGRPC_METRICS_PORT": str(port),
+        "FERROGRPC_BIND_HOST": "127.0.0.1",
+    }
+    procs = [
+        spawn_rank(
+            "metrics_rank.py", str(tmp_path), env=rank_env(r, 2, master, LOCAL_RANK=str(r), **env)
+        )
+        for r in range(2)
+    ]
+    try:
+        wait_until(lambda: all("READY" in p.stdout for p in procs), 40, "both ranks ready")
+        for r in range(2):
+            samples = scrape(f"http://127.0.0.1:{port + r}/metrics")
+            assert {dict(k)["rank"] for n, k in samples if n == "ferrogrpc_world_size"} == {str(r)}
+            assert (
+                value(
+                    samples, "ferrogrpc_collectives_total", rank=r, op="all_reduce", outcome="done"
+                )
+                >= 1
+            )
+    finally:
+        (tmp_path / "release").write_text("")
+        outputs = [p.communicate(timeout=30)[0] for p in procs]
+    assert "no metrics" not in "".join(outputs), outputs
 
 
 def _serving_threads() -> list[threading.Thread]:

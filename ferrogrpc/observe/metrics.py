@@ -315,9 +315,10 @@ def attach(observer: Observer, settings: Settings, local_index: int = 0) -> Metr
     set; the server (None: off, or the port could not be bound, which is
     logged and leaves the rank running without metrics).
 
-    Which port: ``metrics_port`` plus ``local_index`` (the rank's place
-    among the ranks on its host), so that one setting serves every rank of
-    a host, each on its own port; in compose each replica is a host of its
+    Which port: ``metrics_port`` plus ``local_index`` (``LOCAL_RANK`` where
+    a launcher set it, else the rank's place among the ranks on its host:
+    runtime/join.py), so that one setting serves every rank of a host, each
+    on its own port; in compose each replica is a host of its
     own, so every one serves on ``metrics_port`` itself. 0 is one ephemeral
     port for the process (logged at INFO, and :func:`server_of` tells it).
     A process that already serves on that port adds the rank to it (ranks

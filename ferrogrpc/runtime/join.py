@@ -144,7 +144,11 @@ async def join(
         topology = Topology.from_keys(hosts or [""] * me.world_size)
         jobs = JobTable(me.world_size)
         observer = Observer(me, s.flight_dir)
-        attach_sinks(observer, s, topology.local_index(me.rank))
+        # The metrics port's offset: LOCAL_RANK where a launcher set it (it
+        # tells ranks apart even when each is a host of its own, shared
+        # memory off), else the rank's place among its host's ranks.
+        place = s.local_rank if s.local_rank is not None else topology.local_index(me.rank)
+        attach_sinks(observer, s, place)
 
         def on_break(err: FerroGrpcError) -> None:
             jobs.cancel_all(err)
