@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from ferrogrpc.algorithms import schedule
+from ferrogrpc.algorithms.descriptor import make_descriptor
 from ferrogrpc.algorithms.schedule import COPY, REDUCE, REDUCE_LAST
+from ferrogrpc.ops import ReduceOp
+from ferrogrpc.runtime.engine import _loopback
+from ferrogrpc.v1 import collective_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -138,3 +142,33 @@ def test_lane_count() -> None:
     assert schedule.lane_count(0, 4, 1 << 20) == 1
     assert schedule.lane_count(3 << 20, 4, 1 << 20) == 3
     assert schedule.lane_count(64 << 20, 4, 1 << 20) == 4
+
+
+def test_link_chunks_give_a_segment_four_chunks_but_none_under_1_mib() -> None:
+    # [Note: chunks on a link]: 16 MiB at world 4 has 4 MiB segments: the
+    # default 4 MiB chunk becomes 1 MiB; 64 MiB (16 MiB segments) keeps 4 MiB;
+    # small collectives never go under 1 MiB; world 2's 1 MiB never changes.
+    mib = 1 << 20
+    assert schedule.link_chunk_bytes(4 * mib, 16 * mib, 4) == 1 * mib
+    assert schedule.link_chunk_bytes(4 * mib, 32 * mib, 4) == 2 * mib
+    assert schedule.link_chunk_bytes(4 * mib, 64 * mib, 4) == 4 * mib
+    assert schedule.link_chunk_bytes(4 * mib, 1 * mib, 4) == 1 * mib
+    assert schedule.link_chunk_bytes(1 * mib, 64 * mib, 2) == 1 * mib
+    assert schedule.link_chunk_bytes(1 * mib, 2 * mib, 2) == 1 * mib
+
+
+def test_only_a_group_across_hosts_cuts_chunks_for_the_link() -> None:
+    assert _loopback("127.0.0.1:29500") and _loopback("[::1]:1") and _loopback("localhost:2")
+    assert not _loopback("198.18.0.10:29500") and not _loopback("rank-3:29500")
+    buf = torch.empty(4 << 20)  # 16 MiB of float32
+    for link, chunk in ((False, 4 << 20), (True, 1 << 20)):
+        d = make_descriptor(
+            pb.ALL_REDUCE, buf, ReduceOp.SUM, 0, 4, (4 << 20, 1), 4 << 20, None, None, link
+        )
+        assert d.chunk_elems * 4 == chunk, (link, d.chunk_elems)
+    # In bfloat16 on the wire the segment is half the bytes: 512 KiB chunks
+    # would be under the floor, so 1 MiB.
+    d = make_descriptor(
+        pb.ALL_REDUCE, buf, ReduceOp.SUM, 0, 4, (4 << 20, 1), 4 << 20, None, torch.bfloat16, True
+    )
+    assert d.chunk_elems * 2 == 1 << 20

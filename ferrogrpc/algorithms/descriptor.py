@@ -40,12 +40,18 @@ def make_descriptor(
     lane_min_bytes: int,
     checksum: Checksum | None,
     wire: torch.dtype | None = None,
+    link: bool = False,
 ) -> pb.Descriptor:
     """The descriptor of a collective of ``kind`` on the flat ``buffer``,
     cut by ``chunking`` = (chunk_bytes, max_lanes), its chunks travelling
-    as ``wire`` (None: as ``buffer``'s dtype)."""
+    as ``wire`` (None: as ``buffer``'s dtype). With ``link`` (across hosts,
+    the default chunk size), the chunk is cut for the link
+    (schedule.link_chunk_bytes, [Note: chunks on a link])."""
     chunk_bytes, max_lanes = chunking
     itemsize = buffer.element_size()
+    if link:
+        sent = buffer.numel() * (wire.itemsize if wire else itemsize)
+        chunk_bytes = schedule.link_chunk_bytes(chunk_bytes, sent, world_size)
     lanes = schedule.lane_count(buffer.numel() * itemsize, max_lanes, lane_min_bytes)
     return pb.Descriptor(
         kind=kind,  # type: ignore[arg-type]

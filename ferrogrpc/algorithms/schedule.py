@@ -131,6 +131,30 @@ def chunk_elems_for(chunk_bytes: int, itemsize: int) -> int:
     return max(1, chunk_bytes // itemsize)
 
 
+# [Note: chunks on a link] Between hosts the link, not the CPU, is what a
+# ring waits for, and a ring step forwards a chunk only once it has all of
+# it: with one chunk per ring segment (a 16 MiB all_reduce at world 4 has
+# 4 MiB segments, the default chunk at world 4) every step waits for a whole
+# segment. So across hosts, with the default chunk size, a segment gets at
+# least SEGMENT_CHUNKS chunks, none under LINK_CHUNK_MIN bytes: at world 4
+# on 1 Gbit/s that 16 MiB all_reduce went from 0.81-0.83x gloo to
+# 0.94-1.02x (BENCHMARKS.md, "Chunk size on a link"). On one host (the gRPC
+# path with shared memory off), where the CPU is the bottleneck, smaller
+# chunks cost per message instead, and the default stands.
+SEGMENT_CHUNKS = 4
+LINK_CHUNK_MIN = 1 << 20
+
+
+def link_chunk_bytes(chunk_bytes: int, nbytes: int, world_size: int) -> int:
+    """The chunk size across hosts for a collective of ``nbytes`` (as sent):
+    ``chunk_bytes``, cut so that a ring segment (``nbytes / world_size``)
+    holds at least SEGMENT_CHUNKS chunks, but not below LINK_CHUNK_MIN (nor
+    above ``chunk_bytes``). The same on every rank: it depends on the
+    descriptor's fields alone."""
+    segment = nbytes // max(1, world_size)
+    return min(chunk_bytes, max(LINK_CHUNK_MIN, segment // SEGMENT_CHUNKS))
+
+
 # --- per-lane plans: the exact list of chunks a rank sends and receives ---
 
 REDUCE = 0  # reduce the payload into the local range

@@ -16,6 +16,7 @@ raises.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
@@ -93,6 +94,13 @@ class Engine:
         self._policy = chunk_policy
         self._chunking = chunk_policy.resolve(ctx.identity.world_size)
         self.topology = topology or Topology.flat(ctx.identity.world_size)
+        # Across hosts, with the default chunk size: chunks cut for the link
+        # ([Note: chunks on a link] in algorithms/schedule.py). Every rank
+        # decides alike: the addresses are the same everywhere. Ranks that
+        # all advertise loopback share one host, shared memory or not.
+        self._link = chunk_policy.chunk_bytes is None and not all(
+            _loopback(a) for a in ctx.identity.addresses
+        )
         self.plane = plane
         self.links = Links(ctx)
         self._loop = asyncio.get_running_loop()
@@ -166,6 +174,7 @@ class Engine:
                 self._policy.lane_min_bytes,
                 self.ctx.checksum,
                 wire,
+                self._link,
             )
         itemsize = buffer.element_size()
         ordered = self._uses_plane(descriptor, itemsize)
@@ -441,6 +450,17 @@ class Engine:
         self.ctx.mailboxes.drop_seq(self.ctx.group, seq, err)
         if self.plane is not None:
             self.plane.forget(seq)
+
+
+def _loopback(address: str) -> bool:
+    """Whether ``host:port`` names this machine's loopback."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
