@@ -50,7 +50,10 @@ class ChunkPolicy:
       gRPC transport is bounded by HTTP/2 flow control).
 
     Left as None, chunks are 1 MiB at world size 2 and 4 MiB beyond, on one
-    lane, as measured on the 2-core reference machine with the choices
+    lane; across hosts they are cut so that a ring segment has at least 4
+    chunks, none under 1 MiB ([Note: chunks on a link] in
+    algorithms/schedule.py). The sizes were measured on the 2-core reference
+    machine with the choices
     interleaved in one run (docs/benchmarks-history.md): each extra stream costs thread
     wake-ups for every message, which cost more than the parallelism gains
     (1 MiB on 4 lanes took 16-21% longer at world size 2). More lanes can

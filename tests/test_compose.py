@@ -599,6 +599,13 @@ def test_elastic_compose_survives_a_docker_kill_and_a_scaled_up_replica_joins(
         "FERROGRPC_WORLD_SIZE": str(RANKS),
         "FERROGRPC_STEPS": str(steps),
         "FERROGRPC_STEP_SLEEP": "0.05",
+        # 5 s, not the default 2 s: with the suite's two workers, six
+        # containers and another test's ranks share 2 cores, and once a
+        # replica starved past 2 s during start-up was removed (a false
+        # removal this test does not look for); its re-join then livelocked
+        # the group in recovery epochs, an issue-30 defect recorded in
+        # BENCHMARKS.md ("Elastic training") for its own test.
+        "FERROGRPC_HEARTBEAT_TIMEOUT": "5",
         **MONITORING,
     }
     collectives = 'ferrogrpc_collectives_total{job="ferrogrpc-rank",outcome="done"}'
