@@ -87,60 +87,39 @@ def worker(args: argparse.Namespace) -> None:
     server = metrics.server_of(observer)
     assert server is not None
     scraper = Scraper(f"http://127.0.0.1:{server.port}/metrics")
-    # The sinks, each timed (two clock reads more): their own cost, apart
-    # from the step's noise.
-    spent = [0.0, 0]
+    # Every sink and recorder call timed (two clock reads more): their own
+    # cost, apart from the step's noise, into [seconds, calls] by what.
+    spent, traced, recorder = [0.0, 0], [0.0, 0], [0.0, 0]
 
-    def timed(sink: Callable[[Any], None]) -> Callable[[Any], None]:
-        def call(item: Any) -> None:
+    def timed(fn: Callable[..., Any], into: list[Any]) -> Callable[..., Any]:
+        def call(*a: Any) -> Any:
             start = time.perf_counter()
-            sink(item)
-            spent[0] += time.perf_counter() - start
-            spent[1] += 1
+            out = fn(*a)
+            into[0] += time.perf_counter() - start
+            into[1] += 1
+            return out
 
         return call
 
     attached = (
-        [timed(s) for s in observer.collective_sinks],
-        [timed(s) for s in observer.span_sinks],
+        [timed(s, spent) for s in observer.collective_sinks],
+        [timed(s, spent) for s in observer.span_sinks],
     )
     # The trace's sinks, timed apart.
-    traced = [0.0, 0]
-
-    def timed_trace(sink: Callable[[Any], None]) -> Callable[[Any], None]:
-        def call(item: Any) -> None:
-            start = time.perf_counter()
-            sink(item)
-            traced[0] += time.perf_counter() - start
-            traced[1] += 1
-
-        return call
-
     writer = trace.attach(observer, tempfile.mkdtemp(prefix="observe-overhead-trace-"))
-    trace_sinks = ([timed_trace(writer.collective)], [timed_trace(writer.span)])
+    trace_sinks = ([timed(writer.collective, traced)], [timed(writer.span, traced)])
 
     # The flight recorder's calls, timed in the default mode (``off``), and
     # switched off in ``bare``: ``called`` returning None makes the engine
     # skip ``started`` and ``ended`` too.
-    recorder = [0.0, 0]
     calls = {name: getattr(observer, name) for name in ("called", "started", "ended")}
-
-    def timed_call(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*a: Any) -> Any:
-            start = time.perf_counter()
-            out = fn(*a)
-            recorder[0] += time.perf_counter() - start
-            recorder[1] += 1
-            return out
-
-        return call
 
     def set_recorder(mode: str) -> None:
         for name, fn in calls.items():
             if mode == "bare":
                 setattr(observer, name, (lambda *a: None) if name == "called" else fn)
             elif mode == "off":
-                setattr(observer, name, timed_call(fn))
+                setattr(observer, name, timed(fn, recorder))
             else:
                 setattr(observer, name, fn)
 

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import FerroGrpcError, Identity
+from . import logs
 from .flight import DONE, FAILED, RUNNING, Entry, FlightRecorder
 from .stats import Stats
 
@@ -52,9 +52,6 @@ class Span:
     end: float
     args: dict[str, Any]
     thread: int
-
-
-logger = logging.getLogger("ferrogrpc")
 
 
 class Observer:
@@ -145,19 +142,12 @@ class Observer:
         directory is set), then tell the break sinks. Never raises."""
         path = self.flight.dump(err)
         if path is not None:
-            me = self.identity
-            logger.warning(
+            logs.for_rank(self.identity).warning(
                 "rank %d: flight record written to %s (ferrogrpc diagnose %s)",
-                me.rank,
+                self.identity.rank,
                 path,
                 path.parent,
-                extra={
-                    "rank": me.rank,
-                    "world_size": me.world_size,
-                    "op": err.op,
-                    "seq": err.seq,
-                    "peer": err.peer,
-                },
+                extra=logs.error_fields(err),
             )
         for sink in self.break_sinks:
             # A sink must not hide the failure being reported.

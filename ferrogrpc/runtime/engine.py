@@ -16,6 +16,7 @@ raises.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
@@ -43,25 +44,6 @@ from ..v1 import collective_pb2 as pb
 
 # Descriptors kept for reuse (see Engine.number).
 DESCRIPTORS_KEPT = 256
-
-# "float32" for torch.float32, for the observer's entries.
-_DTYPE_NAMES: dict[torch.dtype, str] = {
-    d: str(d).removeprefix("torch.")
-    for d in (
-        torch.float32,
-        torch.float64,
-        torch.float16,
-        torch.bfloat16,
-        torch.int8,
-        torch.uint8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.bool,
-        torch.complex64,
-        torch.complex128,
-    )
-}
 
 
 class Engine:
@@ -463,8 +445,10 @@ def _loopback(address: str) -> bool:
         return False
 
 
+@functools.cache
 def _dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
+    """ "float32" for torch.float32, for the observer's entries."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

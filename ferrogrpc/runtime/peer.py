@@ -137,8 +137,7 @@ class Peer:
         self._engine.close()
         if self._mesh is not None:
             self._mesh.close()
-        await self._parts.close()
-        self._engine.observer.close()
+        await self._parts.close()  # closes the observer too
 
     async def __aenter__(self) -> Self:
         return self

@@ -1,6 +1,10 @@
-"""Shared pieces of the wrapper rank programs: data, optimizers, comparison."""
+"""Shared pieces of the rank programs: data, optimizers, comparison, and
+waiting for the test's go-ahead."""
 
 from __future__ import annotations
+
+import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,3 +29,11 @@ def max_diff(a: nn.Module, b: nn.Module) -> float:
         float((p.detach() - q.detach()).abs().max())
         for p, q in zip(a.parameters(), b.parameters(), strict=True)
     )
+
+
+def wait_for_release(outdir: Path, timeout: float = 60.0) -> None:
+    """Wait until the test creates ``outdir/release`` (at most ``timeout``
+    seconds): a rank that must stay up while the test looks at it."""
+    deadline = time.monotonic() + timeout
+    while not (outdir / "release").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import common  # the script's folder is on sys.path
 import torch
 from torch import nn
 
@@ -47,9 +48,7 @@ def main() -> None:
     except fg.FerroGrpcError as exc:
         record = {"rank": rank, "type": type(exc).__name__, "peer": exc.peer, "seq": exc.seq}
     print("RESULT " + json.dumps(record), flush=True)
-    deadline = time.monotonic() + 60
-    while not (outdir / "release").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    common.wait_for_release(outdir)
     backend.close()
 
 

@@ -5,9 +5,9 @@ and serves until OUTDIR/release appears. Usage: metrics_rank.py OUTDIR."""
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
+import common  # the script's folder is on sys.path
 import torch
 
 import ferrogrpc as fg
@@ -18,9 +18,7 @@ def main() -> None:
     backend = fg.init_backend()
     backend.all_reduce(torch.ones(4))
     print("READY", flush=True)
-    deadline = time.monotonic() + 60
-    while not (outdir / "release").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    common.wait_for_release(outdir)
     backend.close()
 
 
