@@ -117,6 +117,53 @@ async def test_membership_admits_joiners_only_at_a_grow_and_fails_below_quorum()
 
 
 @pytest.mark.timeout(30)
+async def test_a_member_entering_as_a_joiner_is_never_kept_without_the_state() -> None:
+    # A member of epoch 1 that enters as a joiner (removed, or its receipt
+    # of the state failed) lacks the state: a RECOVER goes on without it
+    # (naming its rank dropped); the next GROW admits it among the joiners,
+    # so that the members send it the state.
+    m = ElasticMembership(heartbeat_timeout=2.0, join_window=0.1, initial_world_size=3)
+    await _first(m, ["a", "b", "c"])
+    rejoin = _enter(m, "b", rpb.ENTER_JOIN, 1)
+    await asyncio.sleep(0.01)
+    recover = await asyncio.gather(*(_enter(m, p, rpb.ENTER_RECOVER, 1) for p in ("a", "c")))
+    assert [(r.epoch, r.rank, r.world_size, r.joined_from) for r in recover] == [
+        (2, 0, 2, 2),
+        (2, 1, 2, 2),
+    ]
+    assert not rejoin.done() and m.removed_total == 1
+    grow = [_enter(m, p, rpb.ENTER_GROW, 2) for p in ("c", "a")]
+    answers = await asyncio.gather(rejoin, *grow)
+    assert [(r.epoch, r.rank, r.world_size, r.joined_from) for r in answers] == [
+        (3, 2, 3, 2),
+        (3, 1, 3, 2),
+        (3, 0, 3, 2),
+    ]
+    # A restarted coordinator that has not placed a member yet (no
+    # heartbeat from it) lets it wait among the joiners when it enters to
+    # recover; once placed, it is kept (it has the state).
+    r = ElasticMembership(heartbeat_timeout=2.0, join_window=0.1)
+    r.heartbeat(rpb.HeartbeatRequest(peer_id="a", epoch=7, rank=0, world_size=3, address="a:1"))
+    early = _enter(r, "c", rpb.ENTER_RECOVER, 7, [1])
+    await asyncio.sleep(0.01)
+    assert not early.done() and "c" in r.joiners
+    r.heartbeat(rpb.HeartbeatRequest(peer_id="c", epoch=7, rank=2, world_size=3, address="c:1"))
+    answers = await asyncio.gather(early, _enter(r, "a", rpb.ENTER_RECOVER, 7, [1]))
+    assert [(a.epoch, a.rank, a.world_size, a.joined_from) for a in answers] == [
+        (8, 1, 2, 2),
+        (8, 0, 2, 2),
+    ]
+    # A member that enters as a joiner once a GROW is open (its kept place
+    # taken already) moves to the joiners' part of it.
+    grow = [_enter(m, p, rpb.ENTER_GROW, 3) for p in ("a",)]
+    await asyncio.sleep(0.01)
+    assert m.round is not None and m.round.order == ["a", "c", "b"]
+    late = _enter(m, "c", rpb.ENTER_JOIN, 3)
+    answers = await asyncio.gather(late, *grow, _enter(m, "b", rpb.ENTER_GROW, 3))
+    assert [(r.epoch, r.rank, r.joined_from) for r in answers] == [(4, 2, 2), (4, 0, 2), (4, 1, 2)]
+
+
+@pytest.mark.timeout(30)
 async def test_a_restarted_coordinator_adopts_the_epoch_and_a_stale_one_is_not() -> None:
     m = ElasticMembership(heartbeat_timeout=2.0, join_window=0.1)
     for rank, peer in enumerate(("a", "b", "c")):
@@ -473,3 +520,45 @@ def test_below_min_world_size_every_survivor_raises_quorum_lost_naming_the_lost(
     after = max(d["t"] for d in lost) - killed["t"]
     report(f"elastic, quorum lost (min_world_size 3 of 3): raised {after:.2f}s after the death")
     assert after <= 10.0
+
+
+@pytest.mark.timeout(120)
+def test_a_member_stalled_at_start_up_is_removed_and_joins_again_without_a_livelock(
+    tmp_path: Path,
+) -> None:
+    # Rank 2 stalls once it is in the first epoch, before its first step:
+    # the others wait for it in the start-up broadcast of rank 0's
+    # parameters, remove it, and train with 3. Woken, it fails in that
+    # broadcast, joins again with live state at the next boundary, and
+    # trains with them: it must not redo the start-up broadcast, which the
+    # members are past (that mismatch, failed and recovered at once, kept
+    # the group in recovery epochs every 70 ms in a compose run).
+    steps = 60
+    run = Run(tmp_path, 4, STEPS=str(steps), STOP_AT="start", STOP_RANK="2", SLOW="0.05")
+    try:
+        stopping = run.wait_for(
+            lambda: [d for d in run.lines() if d.get("event") == "stopping"], 60, "no stall"
+        )[0]
+        stalled = run.procs[stopping["proc"]]
+        run.wait_for(lambda: stalled.poll() is None and _stopped(stalled.pid), 10, "not stopped")
+        run.wait_for(
+            lambda: [d for d in run.lines() if d.get("world") == 3],
+            HEARTBEAT_S + 10,
+            "the group never went on without the stalled rank",
+        )
+        os.kill(stalled.pid, signal.SIGCONT)
+        run.wait_for(
+            lambda: [d for d in run.lines(stopping["proc"]) if "idx" in d],
+            30,
+            "the stalled rank never trained",
+        )
+        codes = run.finish(60)
+    finally:
+        run.close()
+    assert codes == [0, 0, 0, 0], (codes, run.output())
+    check_training(run, steps)
+    mine = [d for d in run.lines(stopping["proc"]) if "idx" in d]
+    assert mine[-1]["step"] == steps - 1 and mine[0]["world"] == 4, run.output()
+    # Epoch 1, epoch 2 without it, epoch 3 with it again: no recovery loop.
+    epochs = {d["epoch"] for d in run.lines() if "epoch" in d}
+    assert max(epochs) <= 4, (sorted(epochs), run.output())

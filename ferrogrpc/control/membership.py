@@ -122,6 +122,12 @@ class ElasticMembership:
         self.seen: dict[str, float] = {}
         # Processes waiting to be admitted at the members' next boundary.
         self.joiners: dict[str, Entry] = {}
+        # Those of them that entered as joiners while members (removed, or
+        # their receipt of the state failed): they lack the state, and are
+        # never kept (see _not_kept). A member that enters to recover while
+        # a restarted coordinator has not placed it yet waits among the
+        # joiners too, and is kept.
+        self._stateless: set[str] = set()
         self.round: _Round | None = None
         # When this coordinator adopted an epoch it did not form (restarted).
         self._adopted_at: float | None = None
@@ -190,6 +196,7 @@ class ElasticMembership:
         may form. One that leaves alone is lost like any other (the others'
         collectives name it, or it goes silent)."""
         self.joiners.pop(peer, None)
+        self._stateless.discard(peer)
         self._left.add(peer)
         over = all(p is None or p in self._left for p in self.members)
         if self.members and self.round is None and self._first is None and over:
@@ -248,7 +255,7 @@ class ElasticMembership:
         rank = self._rank_of(peer)
         member = request.epoch == self.epoch and rank is not None
         if not member or request.reason == rpb.ENTER_JOIN:
-            return await self._enter_as_joiner(entry)
+            return await self._enter_as_joiner(entry, stateless=request.reason == rpb.ENTER_JOIN)
         assert rank is not None
         lost = [r for r in request.lost if 0 <= r < len(self.members)]
         if self.round is None:
@@ -315,8 +322,10 @@ class ElasticMembership:
         first.joined_from = len(first.order)  # the first epoch: nobody joins late
         self._form(first)
 
-    async def _enter_as_joiner(self, entry: Entry) -> rpb.EnterResponse:
+    async def _enter_as_joiner(self, entry: Entry, stateless: bool = False) -> rpb.EnterResponse:
         self.joiners[entry.peer_id] = entry
+        if stateless:
+            self._stateless.add(entry.peer_id)
         logger.info("a joiner waits (%d waiting)", len(self.joiners))
         while True:
             if self.epoch == 0:  # the group ended (quorum lost): start anew
@@ -325,6 +334,12 @@ class ElasticMembership:
                     self._first = _Round(1, rpb.ENTER_JOIN, [], 0, [])
                 return await self._enter_first(entry)
             current = self.round
+            if (
+                current is not None
+                and entry.peer_id in current.order
+                and entry.peer_id in self._stateless
+            ):
+                self._not_kept(current, entry.peer_id)
             if current is not None and entry.peer_id in current.order:
                 current.entered[entry.peer_id] = entry
                 self._maybe_form(current)
@@ -335,8 +350,9 @@ class ElasticMembership:
             await event.wait()
 
     def _open_round(self, reason: int, lost: Sequence[int]) -> _Round:
-        """Open the round of epoch E+1: E's members less ``lost`` and the
-        silent, then every waiting joiner. Fails it at once below quorum."""
+        """Open the round of epoch E+1: E's members less ``lost``, the
+        silent and those that entered as joiners (lacking the state), then
+        every waiting joiner (at a GROW). Fails it at once below quorum."""
         now = self.clock()
         dropped = sorted(
             {
@@ -344,6 +360,7 @@ class ElasticMembership:
                 for rank, peer in enumerate(self.members)
                 if rank in lost
                 or peer is None
+                or peer in self._stateless
                 or now - self.seen.get(peer, now) > self.heartbeat_timeout
             }
         )
@@ -369,6 +386,27 @@ class ElasticMembership:
             self._abort_syncs()
         self._check_quorum(current)
         return current
+
+    def _not_kept(self, current: _Round, peer: str) -> None:
+        """A member of E that enters ``current`` as a joiner lacks the
+        group's state (it was removed, or its receipt failed): it is never
+        kept. At a GROW it moves to the joiners, and receives the state; a
+        RECOVER (which may come mid-step, with no state to hand out) goes on
+        without it, and it waits for the next GROW."""
+        index = current.order.index(peer)
+        if index >= current.joined_from:
+            return
+        current.order.remove(peer)
+        current.joined_from -= 1
+        if current.reason == rpb.ENTER_GROW:
+            current.order.append(peer)
+            return
+        rank = self._rank_of(peer)
+        if rank is not None and rank not in current.dropped:
+            current.dropped.append(rank)
+            current.dropped.sort()
+        self._check_quorum(current)
+        self._maybe_form(current)
 
     def _drop(self, current: _Round, ranks: Sequence[int]) -> None:
         """Ranks of the previous epoch found lost while ``current`` forms."""
@@ -399,6 +437,7 @@ class ElasticMembership:
         # The group is over: a new first epoch may form from whoever enters.
         self.epoch, self.members, self.entries = 0, [], {}
         self.joiners.clear()
+        self._stateless.clear()
         self._admission.set()
         self._admission = asyncio.Event()
 
@@ -421,6 +460,7 @@ class ElasticMembership:
         self.removed_total += len(current.dropped)
         for peer in order:
             self.joiners.pop(peer, None)
+            self._stateless.discard(peer)
             self.seen[peer] = self.clock()
         if self.round is current:
             self.round = None
@@ -507,6 +547,7 @@ class ElasticMembership:
             return  # (every member left: _leave ends the group)
         for peer in [p for p in self.joiners if now - self.seen.get(p, now) > timeout]:
             del self.joiners[peer]
+            self._stateless.discard(peer)
             current = self.round
             if (
                 current is not None

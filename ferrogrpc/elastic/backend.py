@@ -46,6 +46,10 @@ from ..v1 import rendezvous_pb2 as rpb
 
 logger = logging.getLogger("ferrogrpc.elastic")
 
+# How long the last epoch's failure notices may take to land when this
+# process moves to the next epoch (a Peer's close waits 2 s).
+NOTICE_GRACE_S = 0.2
+
 
 class GroupState(Protocol):
     """What a member hands to joiners (ElasticState, state.py)."""
@@ -191,7 +195,10 @@ class ElasticBackend:
 
         async def run() -> Peer:
             if old is not None:
-                await old.peer.close()
+                # The coordinator tells the members that the group moves
+                # on; notices to a stalled member would hold this up by
+                # their whole timeout.
+                await old.peer.close(notice_grace=NOTICE_GRACE_S)
             closed_at[0] = time.monotonic()
             return await Peer.start(
                 None,
@@ -303,7 +310,9 @@ class ElasticBackend:
             self._enter(reason, lost)
         except QuorumLostError as exc:
             raise self._quorum_lost(exc, lost) from exc
-        rejoined = reason == rpb.ENTER_JOIN or self.rank >= self._joined_from
+        # (The coordinator places a process that enters as a joiner among
+        # the joiners, so a rejoined process is one that received the state.)
+        rejoined = self.rank >= self._joined_from
         if rejoined:
             logger.info("rank %d of the last epoch joined again as rank %d", was, self.rank)
         self._settle()

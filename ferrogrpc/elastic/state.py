@@ -255,13 +255,16 @@ class ElasticState:
 
     def _same_start(self) -> None:
         """The first epoch's members start from rank 0's parameters and
-        buffers (redone in the next epoch if a member is lost meanwhile)."""
+        buffers (redone in the next epoch if a member is lost meanwhile).
+        A member removed meanwhile (stalled) joins again and receives the
+        group's state instead: the others are past this broadcast."""
         while True:
             try:
                 self._wrapper.broadcast_parameters(0)
                 return
             except FerroGrpcError as exc:
-                self._backend.recover(exc)
+                if self._backend.recover(exc):
+                    return
 
     def rejoined(self) -> None:
         """This process joined again inside a step (DDP's sync): the step it

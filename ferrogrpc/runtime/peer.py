@@ -120,19 +120,21 @@ class Peer:
     def _call(self, placed: Placed, result: Callable[[], T]) -> Call[T]:
         return Call(self._engine, placed, result)
 
-    async def close(self) -> None:
+    async def close(self, *, notice_grace: float = ABORT_DELIVERY_S) -> None:
         """Stop serving and close every connection. Idempotent. Running
-        collectives fail with PeerError."""
+        collectives fail with PeerError. Failure notices still on their way
+        to other ranks get up to ``notice_grace`` seconds to land (a rank
+        that is stopped never takes one)."""
         if self._life.begin_close():
-            await self._shutdown()
+            await self._shutdown(notice_grace)
 
-    async def _shutdown(self) -> None:
+    async def _shutdown(self, notice_grace: float = ABORT_DELIVERY_S) -> None:
         """Release everything; the lifecycle is CLOSING (see [Note: peer
         lifecycle]) and ends CLOSED."""
         me = self._me
         closed = "the peer was closed while this collective ran"
         self._jobs.cancel_all(lambda j: me.error(PeerError, closed, op=j.name, seq=j.seq))
-        await self._ctx.failure.drain(ABORT_DELIVERY_S)
+        await self._ctx.failure.drain(notice_grace)
         await self._engine.links.close()
         self._engine.close()
         if self._mesh is not None:

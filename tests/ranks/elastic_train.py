@@ -15,7 +15,9 @@ Environment:
   KILL_STEP, ``before`` its forward or ``backward``, halfway through
   backward with the first buckets in flight.
   STOP_STEP, STOP_RANK: that rank SIGSTOPs itself at that step, before its
-  sync (the test sends SIGCONT).
+  sync (the test sends SIGCONT). STOP_AT=start: instead, once it is a member
+  of the first epoch, before its first step (the members' start-up
+  broadcast waits for it).
   KILL_FILE: rank FILE_KILL_RANK (default KILL_RANK) SIGKILLs itself, at
   FILE_KILL_AT (default before), in the first step at which this file
   exists; it removes the file first, so only one process does.
@@ -69,6 +71,9 @@ def main() -> None:
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
     state = fg.ElasticState(ddp, opt, extra={"tag": "elastic-test"})
     print(json.dumps({"event": "start", "pid": os.getpid(), "t": time.time()}), flush=True)
+    if os.environ.get("STOP_AT") == "start" and backend.rank == int(os.environ["STOP_RANK"]):
+        print(json.dumps({"event": "stopping", "step": -1, "t": time.time()}), flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
     try:
         run(backend, ddp, net, opt, state)
     except fg.QuorumLostError as exc:
