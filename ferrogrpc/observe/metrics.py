@@ -193,10 +193,8 @@ class RankMetrics:
         """The live observer closed: keep what its counters hold."""
         stats, self.stats = self.stats, None
         if stats is not None:
-            for mine, theirs in (
-                (self.past.sent_by, dict(stats.sent_by)),
-                (self.past.received_by, dict(stats.received_by)),
-            ):
+            sent, received = stats.snapshot()
+            for mine, theirs in ((self.past.sent_by, sent), (self.past.received_by, received)):
                 for key, n in theirs.items():
                     mine[key] = mine.get(key, 0) + n
 
@@ -205,7 +203,8 @@ class RankMetrics:
         sent, received = dict(self.past.sent_by), dict(self.past.received_by)
         stats = self.stats
         if stats is not None:
-            for mine, theirs in ((sent, dict(stats.sent_by)), (received, dict(stats.received_by))):
+            live_sent, live_received = stats.snapshot()
+            for mine, theirs in ((sent, live_sent), (received, live_received)):
                 for key, n in theirs.items():
                     mine[key] = mine.get(key, 0) + n
         return sent, received

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 # The paths bytes take (the metrics' ``path`` label): gRPC streams; the TCP
 # mesh of small collectives between hosts (runtime/direct_mesh.py); and the
@@ -20,7 +21,8 @@ class Stats:
     host (local). ``sent_by`` and ``received_by`` split the same bytes by
     (path, peer rank), for the metrics (observe/metrics.py): the sites call
     :meth:`sent`, :meth:`received` and :meth:`local`, a dict update each, per
-    chunk or message."""
+    chunk or message, from the event loop and from the direct path's
+    threads: under a lock, so that no count is lost between them."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -28,18 +30,29 @@ class Stats:
     collectives: int = 0
     sent_by: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
     received_by: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
+    _lock: threading.Lock = dataclasses.field(
+        default_factory=threading.Lock, repr=False, compare=False
+    )
 
     def sent(self, peer: int, nbytes: int, path: str = GRPC) -> None:
-        self.bytes_sent += nbytes
         key = (path, peer)
-        self.sent_by[key] = self.sent_by.get(key, 0) + nbytes
+        with self._lock:
+            self.bytes_sent += nbytes
+            self.sent_by[key] = self.sent_by.get(key, 0) + nbytes
 
     def received(self, peer: int, nbytes: int, path: str = GRPC) -> None:
-        self.bytes_received += nbytes
         key = (path, peer)
-        self.received_by[key] = self.received_by.get(key, 0) + nbytes
+        with self._lock:
+            self.bytes_received += nbytes
+            self.received_by[key] = self.received_by.get(key, 0) + nbytes
 
     def local(self, peer: int, nbytes: int) -> None:
-        self.bytes_local += nbytes
         key = (SAME_HOST, peer)
-        self.received_by[key] = self.received_by.get(key, 0) + nbytes
+        with self._lock:
+            self.bytes_local += nbytes
+            self.received_by[key] = self.received_by.get(key, 0) + nbytes
+
+    def snapshot(self) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]]:
+        """Copies of ``sent_by`` and ``received_by``, taken together."""
+        with self._lock:
+            return dict(self.sent_by), dict(self.received_by)
