@@ -10,16 +10,20 @@ from typing import Any, cast
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 
 from ..errors import ERROR_CLASSES, ConfigError, Evidence, FerroGrpcError, PeerError, ProtocolError
 from ..options import TLSConfig
 from ..v1 import collective_pb2 as pb
 from .auth import TOKEN_METADATA_KEY as TOKEN_METADATA_KEY  # clients' name for it
 from .auth import add_port, aio_channel, aio_server, interceptors, token_metadata
-from .streams import OutStream, SendHook, StreamHandler, Transport
+from .streams import InStream, OutStream, SendHook, StreamHandler, Transport
 
 SERVICE = "ferrogrpc.v1.Collective"
 SEND_METHOD = f"/{SERVICE}/Send"
+LANE_METHOD = f"/{SERVICE}/Lane"
+# What a call's read() returns at the end of the responses (untyped in grpc's stubs).
+_EOF: Any = cast(Any, grpc.aio).EOF
 ABORT_METHOD = f"/{SERVICE}/Abort"
 PING_METHOD = f"/{SERVICE}/Ping"
 
@@ -41,6 +45,20 @@ CULPRIT_KEY = "ferrogrpc-culprit"
 # Present, as "refused", when the error is another rank's refusal of the
 # collective (errors.Evidence.REFUSED).
 EVIDENCE_KEY = "ferrogrpc-evidence"
+
+# [Note: long-lived lanes] A collective's stream to a rank on a lane
+# (transport.open) travels on a long-lived Lane RPC to that rank, not an RPC
+# of its own: a new RPC per collective costs each side a call object, a task
+# and the HEADERS and trailers (0.5-1 ms a stream on this machine; see
+# scripts/grpc_stream_setup.py), every collective, every lane. A lane
+# carries one stream at a time, ended by an empty message, and the receiver
+# answers each once (an empty Abort: consumed; else why it failed it), as
+# the RPC's status did. A stream opened while every lane to that rank is
+# busy gets a new one: lanes are never shared, so no collective waits
+# behind another's (and no order between collectives can deadlock). A
+# failed or cancelled stream takes its lane down with it; an idle lane is
+# reused (at most IDLE_LANES kept per rank and lane index).
+IDLE_LANES = 4
 
 # Room for a chunk's header (an in-band abort's message included) on top of
 # its payload, in the receive limit.
@@ -141,42 +159,155 @@ def _identity(data: bytes) -> bytes:
     return data
 
 
-class _GrpcOutStream:
-    def __init__(self, call: Any, dst: int, address: str, hook: SendHook | None) -> None:
+def _reply(exc: FerroGrpcError) -> bytes:
+    """A lane's answer failing a stream with ``exc`` (see _abort_with)."""
+    refused = exc.evidence is Evidence.REFUSED
+    return pb.Abort(
+        error=type(exc).__name__,
+        message=exc.message if refused else str(exc),
+        culprit=exc.peer if exc.peer is not None else -1,
+        refused=refused,
+    ).SerializeToString()
+
+
+def _replied(reply: bytes, dst: int, address: str) -> FerroGrpcError:
+    """The error a lane's answer ``reply`` fails a stream with, as
+    :func:`translate` makes it of a failed RPC's status."""
+    try:
+        abort = pb.Abort.FromString(reply)
+    except DecodeError:
+        return ProtocolError(f"rank {dst} answered a stream with garbage", peer=dst)
+    reported = ERROR_CLASSES.get(abort.error, PeerError)
+    culprit = abort.culprit if abort.culprit >= 0 else None
+    if abort.refused:
+        return reported(abort.message, peer=culprit, evidence=Evidence.REFUSED)
+    return reported(
+        f"rank {dst} reported: {abort.message}",
+        peer=culprit,
+        peer_address=address if culprit == dst else None,
+        evidence=Evidence.RELAYED,
+    )
+
+
+class _Lane:
+    """One long-lived Lane RPC to a rank: one stream at a time (see [Note:
+    long-lived lanes]). Its answers are read in the background, so that a
+    stream the receiver failed fails at the sender's next write."""
+
+    def __init__(self, call: Any) -> None:
         # Keep the call referenced: a collected call is cancelled.
-        self._call = call
-        self._dst = dst
+        self.call = call
+        self.dead = False
+        # The answer to the stream now on this lane: bytes, or the
+        # exception that ended the lane.
+        self.answer: asyncio.Future[bytes] | None = None
+        self._reader = asyncio.ensure_future(self._read_answers())
+
+    def begin(self) -> None:
+        self.answer = asyncio.get_running_loop().create_future()
+
+    async def _read_answers(self) -> None:
+        try:
+            while True:
+                answer = await self.call.read()
+                if answer is _EOF:
+                    # (A failed call raises from read(), with its status.)
+                    raise PeerError("the lane ended")
+                current = self.answer
+                if current is None or current.done():
+                    raise ProtocolError("an answer to no stream")
+                current.set_result(bytes(answer))
+        except BaseException as exc:
+            self.dead = True
+            current = self.answer
+            if current is not None and not current.done():
+                current.set_exception(exc)
+                current.exception()  # (retrieved by the stream, if it asks)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+    def kill(self) -> None:
+        self.dead = True
+        self.call.cancel()
+        self._reader.cancel()
+
+
+class _LaneOutStream:
+    """A collective's stream to ``dst`` on one of its lanes (an OutStream)."""
+
+    def __init__(
+        self, transport: GrpcTransport, key: tuple[int, int], lane: _Lane, address: str
+    ) -> None:
+        self._transport = transport
+        self._key = key
+        self._lane: _Lane | None = lane
+        self._dst = key[0]
         self._address = address
-        self._hook = hook
+        self._hook = transport.send_hook
+
+    def _current(self) -> _Lane:
+        lane = self._lane
+        if lane is None:
+            raise PeerError(f"sending: the stream to rank {self._dst} was closed", peer=self._dst)
+        return lane
 
     async def write(self, message: bytes) -> None:
         if self._hook is not None:
             message = self._hook(self._dst, message)
+        lane = self._current()
+        assert lane.answer is not None
+        if lane.answer.done() or not message:
+            # The receiver answered before the end: it failed the stream.
+            raise await self._failure(None)
         try:
-            await self._call.write(message)
+            await lane.call.write(message)
         except Exception as exc:
             raise await self._failure(exc) from exc
 
     async def close(self) -> None:
+        lane = self._current()
+        assert lane.answer is not None
         try:
-            await self._call.done_writing()
-            await self._call
+            if not lane.answer.done():
+                await lane.call.write(b"")
+            answer = await lane.answer
         except Exception as exc:
             raise await self._failure(exc) from exc
+        if answer:
+            raise await self._failure(None)
+        self._lane = None
+        self._transport._release(self._key, lane)
 
-    async def _failure(self, exc: BaseException) -> FerroGrpcError:
-        # A failed write only says "the stream is gone"; the status says why.
-        cause: BaseException = exc
+    async def _failure(self, exc: BaseException | None) -> FerroGrpcError:
+        """Why the stream failed: the receiver's answer, or the lane's end
+        (a failed write only says "the stream is gone"; the status says
+        why). The lane is done for."""
+        lane = self._current()
+        assert lane.answer is not None
+        cause: BaseException | None = exc
         try:
-            await asyncio.wait_for(self._call, timeout=1.0)
+            answer = await asyncio.wait_for(asyncio.shield(lane.answer), timeout=1.0)
         except grpc.aio.AioRpcError as status:
             cause = status
+        except FerroGrpcError as ended:
+            cause = ended
         except Exception:
             pass
+        else:
+            if answer:
+                self.cancel()
+                return _replied(answer, self._dst, self._address)
+        self.cancel()
+        if isinstance(cause, FerroGrpcError):
+            return cause
+        if cause is None:
+            return ProtocolError(f"sending: an empty message to rank {self._dst}", peer=self._dst)
         return translate(cause, self._dst, self._address, "sending")
 
     def cancel(self) -> None:
-        self._call.cancel()
+        lane, self._lane = self._lane, None
+        if lane is not None:
+            lane.kill()
 
 
 class _GrpcInStream:
@@ -188,6 +319,35 @@ class _GrpcInStream:
             return await self._iterator.__anext__()
         except StopAsyncIteration:
             return None
+
+
+class _LaneInStream:
+    """One stream of a lane, as the receiver reads it: its messages until the
+    empty one that ends it (None then, as at the end of an RPC)."""
+
+    def __init__(self, iterator: AsyncIterator[bytes]) -> None:
+        self._iterator = iterator
+        self.ended = False
+        # The lane itself ended (the sender went away) before the stream did.
+        self.cut = False
+
+    async def read(self) -> bytes | None:
+        if self.ended:
+            return None
+        try:
+            message = await self._iterator.__anext__()
+        except StopAsyncIteration:
+            self.ended = self.cut = True
+            return None
+        if not message:
+            self.ended = True
+            return None
+        return message
+
+    async def drain(self) -> None:
+        """Read (and drop) what is left of the stream."""
+        while not self.ended:
+            await self.read()
 
 
 class GrpcTransport(Transport):
@@ -223,6 +383,9 @@ class GrpcTransport(Transport):
         self.send_hook = send_hook
         self._server: grpc.aio.Server | None = None
         self._channels: dict[tuple[int, int], grpc.aio.Channel] = {}
+        # Idle long-lived lanes, by (rank, lane index); and every open one.
+        self._idle: dict[tuple[int, int], list[_Lane]] = {}
+        self._lanes: set[_Lane] = set()
         self._handler: StreamHandler | None = None
         self.addresses = []
         self.port = 0
@@ -242,6 +405,7 @@ class GrpcTransport(Transport):
                 grpc.method_handlers_generic_handler(
                     SERVICE,
                     {
+                        "Lane": grpc.stream_stream_rpc_method_handler(self._serve_lane),
                         "Send": grpc.stream_unary_rpc_method_handler(self._serve_send),
                         "Abort": grpc.unary_unary_rpc_method_handler(self._serve_abort),
                         "Ping": grpc.unary_unary_rpc_method_handler(_serve_ping),
@@ -269,6 +433,35 @@ class GrpcTransport(Transport):
             host = "127.0.0.1"
         return f"{host}:{port}"
 
+    async def _serve_lane(
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
+        """A long-lived lane: its streams one after another, each answered
+        once (see [Note: long-lived lanes])."""
+        iterator = request_iterator.__aiter__()
+        origin = context.peer()
+        while True:
+            try:
+                first = await iterator.__anext__()
+            except StopAsyncIteration:
+                return  # the sender closed the lane
+            stream = _LaneInStream(iterator)
+            if not first:
+                refusal: FerroGrpcError | None = ProtocolError("empty stream")
+                stream.ended = True
+            else:
+                refusal = await self._take(first, stream, origin)
+            if refusal is not None:
+                await context.write(_reply(refusal))  # at once: the sender stops
+                await stream.drain()
+            else:
+                await stream.drain()
+                if stream.cut:
+                    return
+                await context.write(b"")
+            if stream.cut:
+                return
+
     async def _serve_send(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> bytes:
@@ -280,18 +473,23 @@ class GrpcTransport(Transport):
     async def _take_stream(
         self, request_iterator: AsyncIterator[bytes], origin: str
     ) -> FerroGrpcError | None:
-        """Hand a stream to the handler; the error to fail it with, if any.
-        The error is returned rebuilt, without a traceback: grpc keeps the
-        abort's exception while the client holds the call open, and the
-        traceback's frames would keep the refused message alive with it."""
-        assert self._handler is not None
+        """Hand a stream (an RPC of its own) to the handler; the error to fail
+        it with, if any."""
         iterator = request_iterator.__aiter__()
         try:
             first = await iterator.__anext__()
         except StopAsyncIteration:
             return ProtocolError("empty stream")
+        return await self._take(first, _GrpcInStream(iterator), origin)
+
+    async def _take(self, first: bytes, stream: InStream, origin: str) -> FerroGrpcError | None:
+        """Hand a stream to the handler; the error to fail it with, if any.
+        The error is returned rebuilt, without a traceback: grpc keeps the
+        abort's exception while the client holds the call open, and the
+        traceback's frames would keep the refused message alive with it."""
+        assert self._handler is not None
         try:
-            await self._handler.handle_stream(first, _GrpcInStream(iterator), origin)
+            await self._handler.handle_stream(first, stream, origin)
         except FerroGrpcError as exc:
             return _detached(exc)
         except (ValueError, TypeError, OverflowError, IndexError, KeyError) as exc:
@@ -324,12 +522,32 @@ class GrpcTransport(Transport):
         return channel
 
     async def open(self, dst: int, lane: int) -> OutStream:
-        channel = self._channel(dst, lane)
-        method = channel.stream_unary(
-            SEND_METHOD, request_serializer=_identity, response_deserializer=_identity
-        )
-        call = method(metadata=self._metadata)  # type: ignore[call-arg]
-        return _GrpcOutStream(call, dst, self.addresses[dst], self.send_hook)
+        """A stream to ``dst`` on ``lane``, on an idle long-lived lane or a
+        new one (see [Note: long-lived lanes])."""
+        key = (dst, lane)
+        idle = self._idle.get(key, [])
+        while idle and idle[-1].dead:
+            self._lanes.discard(idle.pop())
+        if idle:
+            conn = idle.pop()
+        else:
+            method = self._channel(dst, lane).stream_stream(
+                LANE_METHOD, request_serializer=_identity, response_deserializer=_identity
+            )
+            conn = _Lane(method(metadata=self._metadata))  # type: ignore[call-arg]
+            self._lanes.add(conn)
+        conn.begin()
+        return _LaneOutStream(self, key, conn, self.addresses[dst])
+
+    def _release(self, key: tuple[int, int], lane: _Lane) -> None:
+        """A lane whose stream was consumed: idle, for the next one."""
+        lane.answer = None
+        idle = self._idle.setdefault(key, [])
+        if lane.dead or len(idle) >= IDLE_LANES:
+            lane.kill()
+            self._lanes.discard(lane)
+        else:
+            idle.append(lane)
 
     async def send_abort(self, dst: int, message: bytes, timeout: float) -> None:
         method = self._channel(dst, 0).unary_unary(
@@ -404,6 +622,9 @@ class GrpcTransport(Transport):
             return
 
     async def close(self) -> None:
+        lanes, self._lanes, self._idle = self._lanes, set(), {}
+        for lane in lanes:
+            lane.kill()
         channels = list(self._channels.values())
         self._channels.clear()
         for channel in channels:

@@ -1,0 +1,160 @@
+"""Long-lived lanes (issue 31, item 5; [Note: long-lived lanes] in
+transport/grpc_streams.py): ring collectives reuse one Lane RPC per
+neighbour and lane instead of an RPC each; a stream the receiver fails
+takes only its own lane down, and the next collective runs on a new one;
+an outsider's Lane gets answers, never a hang or an escaped exception.
+Every result is checked against a float64 sum of the inputs."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+import torch
+
+import ferrogrpc as fg
+from ferrogrpc.transport import grpc_streams, wire
+from ferrogrpc.transport.grpc_streams import LANE_METHOD, TOKEN_METADATA_KEY
+from ferrogrpc.v1 import collective_pb2 as pb
+from tests.helpers import reference_sum
+
+pytestmark = pytest.mark.timeout(90)
+
+FAST = fg.Timeouts(collective=30, idle=10, connect=10)
+N = 1 << 18  # 1 MiB of float32: a ring, not one exchange
+
+
+def _count_lanes(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every _Lane the transports create, in order."""
+    made: list[Any] = []
+    init = grpc_streams._Lane.__init__
+
+    def counted(self: Any, call: Any) -> None:
+        init(self, call)
+        made.append(self)
+
+    monkeypatch.setattr(grpc_streams._Lane, "__init__", counted)
+    return made
+
+
+async def _all_reduce_checked(peers: list[fg.Peer], step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    inputs = [torch.randn(N, generator=g) for _ in peers]
+    ref = reference_sum(inputs)
+    outs = [t.clone() for t in inputs]
+    await asyncio.gather(*(p.all_reduce(t) for p, t in zip(peers, outs, strict=True)))
+    for t in outs:
+        # (allclose: torch.testing.assert_close takes a second on 1 MiB here)
+        assert torch.allclose(t.double(), ref, atol=1e-4, rtol=1e-5)
+
+
+async def test_ring_collectives_reuse_their_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
+    made = _count_lanes(monkeypatch)
+    async with fg.testing.local_group(3, timeouts=FAST, direct=False) as peers:
+        await _all_reduce_checked(peers, 0)
+        after_first = len(made)
+        assert after_first > 0
+        for step in range(1, 13):
+            await _all_reduce_checked(peers, step)
+        # Twelve more ring all-reduces, and not one more lane: each stream
+        # went on a lane the first one left idle.
+        assert len(made) == after_first, (after_first, len(made))
+        assert not any(lane.dead for lane in made)
+
+
+async def test_a_refused_stream_takes_only_its_lane_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    made = _count_lanes(monkeypatch)
+    async with fg.testing.local_group(3, timeouts=FAST, direct=False) as peers:
+        await _all_reduce_checked(peers, 0)
+        before = len(made)
+        # Rank 2 refuses its call (an expanded tensor: its own argument
+        # checks raise at once); ranks 0 and 1 stream to their right
+        # neighbours, and the refusal fails those streams, whose lanes go.
+        calls = [peers[0].all_reduce(torch.ones(N)), peers[1].all_reduce(torch.ones(N))]
+        with pytest.raises(fg.ConfigError):
+            peers[2].all_reduce(torch.zeros(1, N // 4).expand(4, N // 4))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for r, res in enumerate(results):
+            assert isinstance(res, fg.ConfigError) and res.peer == 2, (r, res)
+        for step in range(1, 4):
+            await _all_reduce_checked(peers, step)
+        assert all(fg.testing.broken(p) is None for p in peers)
+        assert len(made) >= before
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+async def _rogue_lane(
+    address: str, streams: list[list[bytes]], metadata: tuple[tuple[str, str], ...] = ()
+) -> tuple[grpc.StatusCode, list[bytes]]:
+    """Send ``streams`` down one Lane as an outsider, each ended by an empty
+    message; return the final status and the answers."""
+    answers: list[bytes] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = channel.stream_stream(
+            LANE_METHOD, request_serializer=_identity, response_deserializer=_identity
+        )(metadata=metadata, timeout=10)
+
+        async def read() -> None:
+            while True:
+                answer = await call.read()
+                if answer is grpc.aio.EOF:  # type: ignore[attr-defined]
+                    return
+                answers.append(answer)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            for stream in streams:
+                for message in stream:
+                    await call.write(message)
+                await call.write(b"")
+            await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # the server already ended the call: its status is below
+        try:
+            await reader
+        except grpc.aio.AioRpcError as exc:
+            # The server's status (the call's own may be the client's
+            # failed write, INTERNAL).
+            return exc.code(), answers
+        return await call.code(), answers
+
+
+async def test_an_outsiders_lane_gets_an_answer_per_stream_and_changes_nothing() -> None:
+    async with fg.testing.local_group(2, timeouts=FAST, direct=False) as peers:
+        await _all_reduce_checked(peers, 0)
+        target = peers[1].address
+        descriptor = pb.Descriptor(
+            kind=pb.ALL_REDUCE, dtype=pb.FLOAT32, numel=100, world_size=2, lanes=1
+        )
+        header = pb.ChunkHeader(group=0, seq=10**6, kind=pb.ALL_REDUCE, src_rank=0)
+        header.descriptor.CopyFrom(descriptor)
+        forged = wire.encode(header)  # no session credential
+        garbage = [b"\x00" * 7, b"not a chunk at all"]
+        status, answers = await _rogue_lane(target, [[forged, b"x" * 64], garbage, []])
+        # Three streams, three answers, each the error failing it; the lane
+        # ended cleanly.
+        assert status == grpc.StatusCode.OK, status
+        assert len(answers) == 3, answers
+        errors = [pb.Abort.FromString(a) for a in answers]
+        assert all(e.error == "ProtocolError" for e in errors), errors
+        assert "credential" in errors[0].message, errors[0]
+        for step in range(1, 3):
+            await _all_reduce_checked(peers, step)
+        assert all(fg.testing.broken(p) is None for p in peers)
+
+
+async def test_a_lane_without_the_token_is_refused() -> None:
+    async with fg.testing.local_group(2, token="s3cret-token", timeouts=FAST) as peers:
+        await _all_reduce_checked(peers, 0)
+        target = peers[1].address
+        status, answers = await _rogue_lane(target, [[b"x"]])
+        assert status == grpc.StatusCode.UNAUTHENTICATED and not answers
+        status, answers = await _rogue_lane(target, [[b"x"]], ((TOKEN_METADATA_KEY, "wrong"),))
+        assert status == grpc.StatusCode.UNAUTHENTICATED and not answers
+        await _all_reduce_checked(peers, 1)
