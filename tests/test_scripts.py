@@ -24,6 +24,7 @@ RUNS: dict[str, tuple[list[str], str]] = {
         "GB/s",
     ),
     "grpc_latency_floor.py": (["--mode", "aio", "--exchanges", "20"], "us"),
+    "grpc_stream_setup.py": (["--rounds", "5", "--repeats", "1"], "one long-lived stream"),
     "loopback_ceiling.py": (["--mib", "4", "--iters", "1"], "GB/s"),
     "mem_ceiling.py": (["--mib", "4", "--iters", "2"], "GB/s"),
     "observe_overhead.py": (
