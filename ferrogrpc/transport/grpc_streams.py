@@ -290,7 +290,13 @@ class _LaneOutStream:
         except grpc.aio.AioRpcError as status:
             cause = status
         except FerroGrpcError as ended:
-            cause = ended
+            # It ended without a status: a symptom (its report may follow).
+            cause = PeerError(
+                f"sending: rank {self._dst} at {self._address} ended the lane ({ended.message})",
+                peer=self._dst,
+                peer_address=self._address,
+                evidence=Evidence.SYMPTOM,
+            )
         except Exception:
             pass
         else:
