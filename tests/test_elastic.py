@@ -52,6 +52,11 @@ def _enter(m: ElasticMembership, peer: str, reason: int, epoch: int, lost: list[
     return asyncio.ensure_future(m.enter(request))
 
 
+def _placed(answers: list[Any]) -> list[tuple[int, int, int, int]]:
+    """Each answer's (epoch, rank, world size, joined_from)."""
+    return [(r.epoch, r.rank, r.world_size, r.joined_from) for r in answers]
+
+
 async def _first(m: ElasticMembership, peers: list[str]) -> list[Any]:
     entered = [_enter(m, p, rpb.ENTER_JOIN, 0) for p in peers]
     return list(await asyncio.gather(*entered))
@@ -61,9 +66,7 @@ async def _first(m: ElasticMembership, peers: list[str]) -> list[Any]:
 async def test_membership_recover_drops_the_lost_and_renumbers_in_the_old_order() -> None:
     m = ElasticMembership(heartbeat_timeout=2.0, join_window=0.1, initial_world_size=4)
     first = await _first(m, ["a", "b", "c", "d"])
-    assert [(r.epoch, r.rank, r.world_size, r.joined_from) for r in first] == [
-        (1, i, 4, 4) for i in range(4)
-    ]
+    assert _placed(first) == [(1, i, 4, 4) for i in range(4)]
     # A sync committed by three of four, then rank 1 is reported lost:
     # the pending commits are refused (the sync is redone), never granted.
     commits = [
@@ -98,7 +101,7 @@ async def test_membership_admits_joiners_only_at_a_grow_and_fails_below_quorum()
     assert beat.joiners_waiting == 1 and beat.member
     grow = [_enter(m, p, rpb.ENTER_GROW, 1) for p in ("a", "b")]
     answers = await asyncio.gather(joiner, *grow)
-    assert [(r.epoch, r.rank, r.world_size, r.joined_from) for r in answers] == [
+    assert _placed(answers) == [
         (2, 2, 3, 2),
         (2, 0, 3, 2),
         (2, 1, 3, 2),
@@ -127,14 +130,14 @@ async def test_a_member_entering_as_a_joiner_is_never_kept_without_the_state() -
     rejoin = _enter(m, "b", rpb.ENTER_JOIN, 1)
     await asyncio.sleep(0.01)
     recover = await asyncio.gather(*(_enter(m, p, rpb.ENTER_RECOVER, 1) for p in ("a", "c")))
-    assert [(r.epoch, r.rank, r.world_size, r.joined_from) for r in recover] == [
+    assert _placed(recover) == [
         (2, 0, 2, 2),
         (2, 1, 2, 2),
     ]
     assert not rejoin.done() and m.removed_total == 1
     grow = [_enter(m, p, rpb.ENTER_GROW, 2) for p in ("c", "a")]
     answers = await asyncio.gather(rejoin, *grow)
-    assert [(r.epoch, r.rank, r.world_size, r.joined_from) for r in answers] == [
+    assert _placed(answers) == [
         (3, 2, 3, 2),
         (3, 1, 3, 2),
         (3, 0, 3, 2),
