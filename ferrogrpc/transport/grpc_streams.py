@@ -4,6 +4,7 @@ errors become ferrogrpc errors (:func:`translate`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
@@ -59,6 +60,9 @@ EVIDENCE_KEY = "ferrogrpc-evidence"
 # failed or cancelled stream takes its lane down with it; an idle lane is
 # reused (at most IDLE_LANES kept per rank and lane index).
 IDLE_LANES = 4
+# How long closing waits for each lane to end cleanly (a receiver that is
+# gone or stopped costs this, twice at most); see _Lane.end.
+LANE_END_S = 0.25
 
 # Room for a chunk's header (an in-band abort's message included) on top of
 # its payload, in the receive limit.
@@ -230,6 +234,27 @@ class _Lane:
         self.dead = True
         self.call.cancel()
         self._reader.cancel()
+
+    async def end(self, grace: float) -> None:
+        """End the lane for good, waiting (within ``grace`` twice over) until
+        gRPC has finished its operations: an idle lane is half-closed and
+        its receiver ends it, any other is cancelled. A call's operations
+        left pending when its event loop closes are delivered later to
+        whichever loop polls next, which then fails with "Event loop is
+        closed" (two backends in one process, an elastic rebuild)."""
+        if not self.dead and self.answer is None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(grace):
+                    await self.call.done_writing()
+                    await asyncio.shield(self._reader)
+        self.dead = True
+        if not self._reader.done():
+            self.call.cancel()
+            # The read fails once gRPC has taken the cancellation in.
+            await asyncio.wait([self._reader], timeout=grace)
+        self._reader.cancel()
+        with contextlib.suppress(BaseException):
+            await self.call.code()
 
 
 class _LaneOutStream:
@@ -629,8 +654,8 @@ class GrpcTransport(Transport):
 
     async def close(self) -> None:
         lanes, self._lanes, self._idle = self._lanes, set(), {}
-        for lane in lanes:
-            lane.kill()
+        if lanes:
+            await asyncio.gather(*(lane.end(LANE_END_S) for lane in lanes))
         channels = list(self._channels.values())
         self._channels.clear()
         for channel in channels:
