@@ -12,6 +12,9 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
 # torch comes from this index when the base image lacks the pinned version:
 # PyPI's Linux wheel pulls in gigabytes of CUDA libraries a CPU image never uses.
+# A base image that has it keeps it, and its dependencies then come from the
+# default index at the constrained versions (the torch index need not be
+# reachable: a base built where it is not may hold other versions of them).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin ferrogrpc
 
@@ -23,7 +26,13 @@ RUN set -eu; \
     python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb')); \
 print(*p['build-system']['requires'], *p['project']['dependencies'], sep='\n')" > requirements.txt; \
     constraints=""; if [ -f constraints.txt ]; then constraints="-c constraints.txt"; fi; \
-    pip install -q $constraints --index-url "$TORCH_INDEX_URL" "$(grep '^torch\b' requirements.txt)"; \
+    torch_req="$(grep '^torch\b' requirements.txt)"; \
+    pinned="$(sed -n 's/^torch==//p' constraints.txt 2>/dev/null || true)"; \
+    if [ -n "$pinned" ] && python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$pinned')" 2>/dev/null; then \
+        echo "torch $pinned is in the base image"; \
+    else \
+        pip install -q $constraints --index-url "$TORCH_INDEX_URL" "$torch_req"; \
+    fi; \
     pip install -q $constraints -r requirements.txt
 
 COPY README.md ./
