@@ -24,7 +24,8 @@ implementation's step: this also counts the CPU an exchange in the
 background takes from the inner steps), the share not blocked on the
 exchange (outside ``sync_gradients()`` or ``diloco.step()``), the bytes each
 rank's link sent per step, and the held-out loss at the end (nats per
-character). Every rank's final parameters are checked equal.
+character; DiLoCo's after ``diloco.sync()``, outside the timed steps). Every
+rank's final parameters are checked equal.
 """
 
 from __future__ import annotations
@@ -151,6 +152,10 @@ def _lm_worker(args: argparse.Namespace) -> None:
             blocked = None if waited is None or blocked is None else blocked + waited
         wall = time.perf_counter() - start
         sent = tx_bytes() - sent
+        if isinstance(wrapped, fg.DiLoCo):
+            # The end of training: every rank the same model (each fragment
+            # was last synced at another step, and local steps since).
+            wrapped.sync()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         copies = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(copies, flat)

@@ -86,13 +86,16 @@ def simulate(
     sync_every: int,
     fragments: int = 1,
     with_bn: bool = False,
+    sync_at_end: bool = False,
 ) -> list[nn.Module]:
     """N DiLoCo workers in one process, as docs/diloco.md describes them:
     fragment f starts after inner step t when (t - f*H//F) % H == 0; it is
     applied tau = 0 (F == 1) or H//F (F > 1) inner steps later, before any
     start of that step, with the pseudo-gradient taken at its start; each
     worker's parameters of the fragment become new_global + (now - at_start);
-    floating buffers ride with fragment 0 the same way."""
+    floating buffers ride with fragment 0 the same way. ``sync_at_end``
+    (DiLoCo.sync): the exchange still due is applied at once, then every
+    fragment syncs with tau = 0."""
     template = make_model(0, with_bn)
     workers = [copy.deepcopy(template) for _ in range(world)]
     inner = [make_inner(w) for w in workers]
@@ -124,6 +127,16 @@ def simulate(
                     for b, m, s in zip(float_buffers(r), means, starts[r], strict=True):
                         b.copy_(m + (b - s))
 
+    def start(f: int) -> Any:
+        idx = [names.index(n) for n in groups[f]]
+        mean = {i: sum(glob[i] - params(r)[i].detach() for r in range(world)) / world for i in idx}
+        at_start = [{i: params(r)[i].detach().clone() for i in idx} for r in range(world)]
+        buffers = None
+        if f == 0 and with_bn:
+            starts = [[b.clone() for b in float_buffers(r)] for r in range(world)]
+            buffers = ([sum(bs) / world for bs in zip(*starts, strict=True)], starts)
+        return (idx, mean, at_start, buffers)
+
     for t in range(1, steps + 1):
         for r in range(world):
             inner_step(workers[r], inner[r], r, t - 1)
@@ -132,20 +145,16 @@ def simulate(
         for f in range(fragments):
             if (t - f * sync_every // fragments) % sync_every:
                 continue
-            idx = [names.index(n) for n in groups[f]]
-            mean = {
-                i: sum(glob[i] - params(r)[i].detach() for r in range(world)) / world for i in idx
-            }
-            at_start = [{i: params(r)[i].detach().clone() for i in idx} for r in range(world)]
-            buffers = None
-            if f == 0 and with_bn:
-                starts = [[b.clone() for b in float_buffers(r)] for r in range(world)]
-                buffers = ([sum(bs) / world for bs in zip(*starts, strict=True)], starts)
-            exchange = (idx, mean, at_start, buffers)
+            exchange = start(f)
             if tau == 0:
                 apply(exchange)
             else:
                 due[t + tau] = exchange
+    if sync_at_end:
+        for t in sorted(due):
+            apply(due.pop(t))
+        for exchange in [start(f) for f in range(fragments)]:
+            apply(exchange)
     return workers
 
 
@@ -157,6 +166,7 @@ def train(
     fragments: int = 1,
     with_bn: bool = False,
     compression: str | None = None,
+    sync_at_end: bool = False,
 ) -> list[nn.Module]:
     """The same training on real ranks; each starts from its own seed's
     weights (the construction broadcasts rank 0's)."""
@@ -176,6 +186,10 @@ def train(
             inner_step(diloco, opt, rank, t)
             diloco.step()
         assert diloco.inner_steps == steps
+        if sync_at_end:
+            diloco.sync()
+            assert diloco.inner_steps == steps
+            assert diloco.state_dict()["outer"]["pending"] is None
         diloco.state_dict()  # waits for an exchange still in flight
         return model
 
@@ -213,6 +227,27 @@ def test_ranks_equal_a_simulation_of_diloco_workers(
     alone = simulate(world, 3 * h, sync_every=3 * h + 1, with_bn=True)
     with pytest.raises(AssertionError):
         assert_close(real, alone, atol=1e-3)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fragments", [1, 3])
+def test_sync_brings_every_rank_to_the_same_model_as_the_simulation(
+    fragments: int, trio: list[fg.Backend]
+) -> None:
+    # H = 6, F = 3: fragment 2 starts after step 16 (16 % 6 == 4) and would
+    # be applied after step 18: at step 17 it is still in flight.
+    h, steps = 6, 17
+    bn = fragments == 1  # (the fragment layouts are the model's without BatchNorm)
+    real = train(trio, steps, sync_every=h, fragments=fragments, with_bn=bn, sync_at_end=True)
+    sim = simulate(3, steps, sync_every=h, fragments=fragments, with_bn=bn, sync_at_end=True)
+    assert_close(real, sim)
+    for other in real[1:]:
+        for x, y in zip(real[0].state_dict().values(), other.state_dict().values(), strict=True):
+            assert torch.equal(x, y)
+    # Without the final sync the ranks differ, and the simulation does too.
+    apart = simulate(3, steps, sync_every=h, fragments=fragments, with_bn=bn)
+    with pytest.raises(AssertionError):
+        assert_close(real, apart, atol=1e-4)
 
 
 # ----------------------------------------------------------------------- 2

@@ -129,6 +129,7 @@ class DiLoCo:
             inner.step()
             inner.zero_grad()
             diloco.step()
+        diloco.sync()  # every rank the same model, to evaluate or save
 
     Algorithm. At construction every rank takes rank 0's parameters and
     buffers (a broadcast), and keeps a *global* copy of the trainable
@@ -180,8 +181,9 @@ class DiLoCo:
     model with the same settings, then the broadcast) is a collective, and
     so is every outer sync: all ranks start and apply each fragment's
     exchange at the same inner step, so every rank must call ``step()`` the
-    same number of times. ``state_dict()`` waits for an exchange in flight
-    but starts no collective.
+    same number of times. ``sync()`` is a collective too (see it).
+    ``state_dict()`` waits for an exchange in flight but starts no
+    collective.
 
     Failure: a failed exchange raises the backend's error (a
     :class:`FerroGrpcError` subclass) from the ``step()`` that starts or
@@ -363,10 +365,44 @@ class DiLoCo:
 
     # ------------------------------------------------------- exchanges
 
-    def _start(self, f: int) -> _Exchange:
+    def sync(self) -> None:
+        """Bring every rank to the same parameters now, as at the end of
+        training (to evaluate or save the model): the exchange in flight,
+        if any, is waited for and applied at once (its local progress
+        replayed, as when it falls due), then every fragment syncs, blocking,
+        as one fragment does at its turn: the averaged pseudo-gradient, the
+        outer step, the local parameters set to the new global ones (and the
+        floating-point buffers to their mean). No inner step is counted:
+        training may go on after it, on the same schedule.
+
+        Synchronizes: a collective (one mean all-reduce per fragment, and
+        one for the buffers); every rank calls it after the same inner step.
+        On failure: the backend's error is raised; the exchange that was in
+        flight is applied if it had arrived (dropped, as in ``step()``, if
+        it failed), and nothing of the fragments' own syncs is."""
+        exchange = self._pending
+        if exchange is not None:
+            self._settle()
+            self._pending = None
+            self._apply(exchange)
+        started = [self._start(f, keep=False) for f in range(self.fragments)]
+        failure: BaseException | None = None
+        for exchange in started:
+            for work in exchange.works:
+                try:
+                    work.wait()
+                except BaseException as exc:  # the others are waited for too
+                    failure = failure or exc
+        if failure is not None:
+            raise failure
+        for exchange in started:
+            self._apply(exchange)
+
+    def _start(self, f: int, keep: bool | None = None) -> _Exchange:
         fragment = self._fragments[f]
         local = fragment.flatten()
-        keep = self.delay > 0
+        if keep is None:
+            keep = self.delay > 0
         local_at_start = local.clone() if keep else None
         # global - local, in place: -local + global is the same IEEE sum.
         delta = local.neg_().add_(fragment.global_params)
@@ -397,6 +433,11 @@ class DiLoCo:
             return
         self._settle()
         self._pending = None
+        self._apply(exchange)
+
+    def _apply(self, exchange: _Exchange) -> None:
+        """The outer step with an arrived exchange, and the local parameters
+        (and buffers) it gives."""
         fragment = self._fragments[exchange.fragment]
         mu, lr = self.outer_momentum, self.outer_lr
         with torch.no_grad():
