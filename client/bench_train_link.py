@@ -24,14 +24,18 @@ implementation's step: this also counts the CPU an exchange in the
 background takes from the inner steps), the share not blocked on the
 exchange (outside ``sync_gradients()`` or ``diloco.step()``), the bytes each
 rank's link sent per step, and the held-out loss at the end (nats per
-character; DiLoCo's after ``diloco.sync()``, outside the timed steps). Every
-rank's final parameters are checked equal.
+character; DiLoCo's after ``diloco.sync()``, outside the timed steps), and
+the process CPU time per step. The implementations take turns, ``--block``
+steps each, in an order that rotates; a DiLoCo exchange still in flight at
+the end of its turn is waited for there, counted as blocked. Every rank's
+final parameters are checked equal.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -92,31 +96,35 @@ def _step_worker(args: argparse.Namespace) -> None:
     candidates["no communication"] = (model(), None)
     opts = {n: torch.optim.SGD(m.parameters(), lr=1e-3) for n, (m, _) in candidates.items()}
 
-    def step(name: str) -> tuple[float, int]:
+    def step(name: str) -> tuple[float, int, float]:
         module, sync = candidates[name]
         dist.barrier()
         sent = tx_bytes()
+        cpu = time.process_time()
         start = time.perf_counter()
         opts[name].zero_grad()
         nn.functional.mse_loss(module(x), y).backward()  # type: ignore[no-untyped-call]
         if sync is not None:
             sync()
         opts[name].step()
-        return time.perf_counter() - start, tx_bytes() - sent
+        wall = time.perf_counter() - start
+        return wall, tx_bytes() - sent, time.process_time() - cpu
 
     for name in candidates:
         for _ in range(args.warmup):
             step(name)
     times: dict[str, list[float]] = {n: [] for n in candidates}
     sent: dict[str, list[int]] = {n: [] for n in candidates}
+    cpu: dict[str, list[float]] = {n: [] for n in candidates}
     for i in range(args.steps):
         for name in rotated(list(candidates), i):
-            t, b = step(name)
+            t, b, c = step(name)
             times[name].append(t)
             sent[name].append(b)
+            cpu[name].append(c)
     params = sum(p.numel() for p in candidates["no communication"][0].parameters())
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, {"times": times, "sent": sent})
+    dist.all_gather_object(gathered, {"times": times, "sent": sent, "cpu": cpu})
     if rank == 0:
         print("RESULT " + json.dumps({"params": params, "ranks": gathered}), flush=True)
     backend.close()
@@ -135,36 +143,64 @@ def _lm_worker(args: argparse.Namespace) -> None:
     rank, world, backend = _setup()
     results: dict[str, Any] = {}
 
-    def run(name: str, build: Any) -> None:
-        """Train ``args.steps`` steps; time each; the held-out loss at the end."""
-        model = charlm.build()
-        inner = torch.optim.AdamW(model.parameters(), lr=LM_LR)
-        wrapped, after_step = build(model, inner)
-        dist.barrier()
-        sent = tx_bytes()
+    @dataclasses.dataclass
+    class Run:
+        """One implementation's training, advanced a block at a time."""
+
+        model: nn.Module
+        inner: Any
+        wrapped: Any
+        after_step: Any
+        done: int = 0
+        wall: float = 0.0
+        cpu: float = 0.0
         blocked: float | None = 0.0
-        start = time.perf_counter()
-        for step in range(args.steps):
-            x, y = charlm.batch(rank, step, LM_BATCH)
-            inner.zero_grad()
-            charlm.loss(wrapped, x, y).backward()  # type: ignore[no-untyped-call]
-            waited = after_step()
-            blocked = None if waited is None or blocked is None else blocked + waited
-        wall = time.perf_counter() - start
-        sent = tx_bytes() - sent
-        if isinstance(wrapped, fg.DiLoCo):
+        sent: int = 0
+
+        def advance(self, steps: int) -> None:
+            """Train ``steps`` more steps, timed; a DiLoCo exchange still in
+            flight at the end is waited for inside the time, as blocked (so
+            that its bytes count here, not in the next implementation's
+            block)."""
+            dist.barrier()
+            sent = tx_bytes()
+            cpu = time.process_time()
+            start = time.perf_counter()
+            for step in range(self.done, self.done + steps):
+                x, y = charlm.batch(rank, step, LM_BATCH)
+                self.inner.zero_grad()
+                charlm.loss(self.wrapped, x, y).backward()  # type: ignore[no-untyped-call]
+                waited = self.after_step()
+                if waited is None or self.blocked is None:
+                    self.blocked = None
+                else:
+                    self.blocked += waited
+            if isinstance(self.wrapped, fg.DiLoCo):
+                t = time.perf_counter()
+                self.wrapped.state_dict()  # waits for the exchange in flight
+                if self.blocked is not None:
+                    self.blocked += time.perf_counter() - t
+            self.wall += time.perf_counter() - start
+            self.cpu += time.process_time() - cpu
+            self.sent += tx_bytes() - sent
+            self.done += steps
+
+    def finish(name: str, run: Run) -> None:
+        """The held-out loss at the end, and whether every rank agrees."""
+        if isinstance(run.wrapped, fg.DiLoCo):
             # The end of training: every rank the same model (each fragment
             # was last synced at another step, and local steps since).
-            wrapped.sync()
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            run.wrapped.sync()
+        flat = torch.cat([p.detach().reshape(-1) for p in run.model.parameters()])
         copies = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(copies, flat)
         same = all(torch.equal(c, copies[0]) for c in copies)
         results[name] = {
-            "step_s": wall / args.steps,
-            "blocked": None if blocked is None else blocked / wall,
-            "sent_per_step": sent / args.steps,
-            "loss": charlm.held_out_loss(model),
+            "step_s": run.wall / run.done,
+            "cpu_step_s": run.cpu / run.done,
+            "blocked": None if run.blocked is None else run.blocked / run.wall,
+            "sent_per_step": run.sent / run.done,
+            "loss": charlm.held_out_loss(run.model),
             "same": same,
         }
 
@@ -233,8 +269,19 @@ def _lm_worker(args: argparse.Namespace) -> None:
         plans[f"DiLoCo H={h} F={fragments} {args.diloco_compression}"] = diloco(
             fragments, None if args.diloco_compression == "fp32" else args.diloco_compression
         )
-    for name in args.only or list(plans):
-        run(name, plans[name])
+    names = args.only or list(plans)
+    runs: dict[str, Run] = {}
+    for name in names:
+        model = charlm.build()
+        inner = torch.optim.AdamW(model.parameters(), lr=LM_LR)
+        runs[name] = Run(model, inner, *plans[name](model, inner))
+    # The implementations take turns, a block of steps each, in an order
+    # that rotates: the shared machine's slow and fast spells fall on all.
+    for i, first in enumerate(range(0, args.steps, args.block)):
+        for name in rotated(names, i):
+            runs[name].advance(min(args.block, args.steps - first))
+    for name in names:
+        finish(name, runs[name])
     if rank == 0:
         print("RESULT " + json.dumps({"results": results}), flush=True)
     backend.close()
@@ -280,10 +327,19 @@ def _report_step(data: dict[str, Any], link: Link, world: int, steps: int) -> No
         f"# DDP step, MLP {data['params'] / 1e6:.1f}M float32 params, world {world}, "
         f"link {link}: median of {steps} interleaved steps (slowest rank)"
     )
-    print(f"{'implementation':<22} {'step s':>8} {'x gloo':>7} {'MB sent/step':>13}")
+    print(
+        f"{'implementation':<22} {'step s':>8} {'x gloo':>7} {'MB sent/step':>13} "
+        f"{'CPU s/rank':>11}"
+    )
     for n in names:
         mb = statistics.median(ranks[0]["sent"][n]) / 1e6
-        print(f"{n:<22} {med[n]:8.3f} {med[n] / med['gloo DDP']:7.2f} {mb:13.1f}")
+        # The process CPU time of a step (every thread: gRPC's, rounding),
+        # the median over steps of the ranks' mean: with as many ranks as
+        # cores, a step cannot take less.
+        cpu = statistics.median(
+            statistics.fmean(r["cpu"][n][i] for r in ranks) for i in range(steps)
+        )
+        print(f"{n:<22} {med[n]:8.3f} {med[n] / med['gloo DDP']:7.2f} {mb:13.1f} {cpu:11.3f}")
 
 
 def _report_lm(
@@ -298,7 +354,7 @@ def _report_lm(
     )
     print(
         f"{'implementation':<28} {'step s':>8} {'computing':>9} {'unblocked':>9} "
-        f"{'MB sent/step':>13} {'x fewer':>8} {'loss':>7} {'same':>5}"
+        f"{'MB sent/step':>13} {'x fewer':>8} {'loss':>7} {'same':>5} {'CPU s/step':>10}"
     )
     ddp_bytes = results.get("ferrogrpc DDP", {}).get("sent_per_step")
     for n, r in results.items():
@@ -307,7 +363,7 @@ def _report_lm(
         fewer = f"{ddp_bytes / r['sent_per_step']:8.1f}" if ddp_bytes and r["sent_per_step"] else ""
         print(
             f"{n:<28} {r['step_s']:8.4f} {share} {free} {r['sent_per_step'] / 1e6:13.3f} "
-            f"{fewer:>8} {r['loss']:7.4f} {r['same']!s:>5}"
+            f"{fewer:>8} {r['loss']:7.4f} {r['same']!s:>5} {r['cpu_step_s']:10.4f}"
         )
 
 
@@ -323,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--sync-every", type=int, default=50)
     parser.add_argument("--fragments", type=int, default=5)
+    parser.add_argument(
+        "--block", type=int, default=250, help="lm: the steps each implementation runs per turn"
+    )
     parser.add_argument("--diloco-compression", choices=["fp32", "bf16", "int8"], default="bf16")
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
@@ -332,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.steps = args.steps if args.steps is not None else (5 if args.what == "step" else 300)
+    if args.steps < 1 or args.block < 1:
+        parser.error("--steps and --block must be at least 1")
     if args.worker:
         (_step_worker if args.what == "step" else _lm_worker)(args)
         return 0
@@ -339,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         *("--what", args.what, "--steps", str(args.steps), "--warmup", str(args.warmup)),
         *("--batch", str(args.batch), "--sync-every", str(args.sync_every)),
         *("--fragments", str(args.fragments), "--diloco-compression", args.diloco_compression),
+        *("--block", str(args.block)),
         *("--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum)),
         *(("--only", *args.only) if args.only else ()),
     ]

@@ -29,7 +29,10 @@ def test_the_training_link_bench_counts_int8_and_diloco_bytes_on_the_wire(
             *(sys.executable, "-m", "client.bench_train_link", "--link", "1gbit"),
             *("--what", "lm", "--steps", "20", "--sync-every", "10", "--fragments", "2"),
             *("--outer-lr", "1.0", "--outer-momentum", "0.0", "--json", str(figures)),
-            *("--only", ddp, int8, diloco),
+            # Turns of 7 steps: DiLoCo's exchange that starts after step 5
+            # (F=2, H=10: starts after 5, 10, 15, 20, each applied 5 steps
+            # later) is still in flight when the first turn ends, at 7.
+            *("--block", "7", "--only", ddp, int8, diloco),
         ],
         cwd=ROOT,
         env=clean_env(),
@@ -46,10 +49,12 @@ def test_the_training_link_bench_counts_int8_and_diloco_bytes_on_the_wire(
     assert 1.0 <= sent[ddp] / (4 * params) < 1.1, sent
     assert 0.2 < sent[int8] / sent[ddp] < 0.3, sent  # 1 + 4/256 bytes, not 4
     # Each fragment syncs twice in 20 steps, the whole model in bf16 (2 bytes
-    # a parameter): a twentieth of DDP's bytes, less what of the last
-    # exchange (started at step 20, in the background) is still in flight.
+    # a parameter): a twentieth of DDP's bytes (the exchange started at step
+    # 20 is waited for at the end of the last turn, and counted).
     assert 0.025 < sent[diloco] / sent[ddp] < 0.06, sent
-    for name in (ddp, int8):
+    # DiLoCo's too: diloco.sync() ends its training (each fragment was last
+    # synced at another step, and the ranks trained apart since).
+    for name in (ddp, int8, diloco):
         assert results[name]["same"], (name, results[name])
     for name, r in results.items():
         assert r["loss"] < 4.6, (name, r)  # below the first step's (ln 102 = 4.62)
