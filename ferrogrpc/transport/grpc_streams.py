@@ -58,7 +58,8 @@ EVIDENCE_KEY = "ferrogrpc-evidence"
 # busy gets a new one: lanes are never shared, so no collective waits
 # behind another's (and no order between collectives can deadlock). A
 # failed or cancelled stream takes its lane down with it; an idle lane is
-# reused (at most IDLE_LANES kept per rank and lane index).
+# reused (at most IDLE_LANES kept per rank and lane index). Closing ends
+# every lane and waits until gRPC has finished with it (see _Lane.end).
 IDLE_LANES = 4
 # How long closing waits for each lane to end cleanly (a receiver that is
 # gone or stopped costs this, twice at most); see _Lane.end.
