@@ -117,7 +117,9 @@ async def _bare_receiver(port: int, total: int) -> None:
     await server.start()
     print("READY", flush=True)
     await done.wait()
-    await server.stop(0)
+    # With a grace: the sender still waits for the answer to its stream,
+    # which stop(0) would cancel.
+    await server.stop(5.0)
 
 
 async def _bare_sender(port: int, total: int, repeat: bool) -> float:

@@ -70,7 +70,10 @@ async def rank_main(
     elapsed = time.perf_counter() - start
     cpu = time.process_time() - cpu
     await channel.close(None)
-    await server.stop(0)
+    # With a grace: the left neighbour may still be waiting for the answer
+    # to its stream (the handler has returned; the answer may not have
+    # left), and stop(0) would cancel it ("Cancelling all calls").
+    await server.stop(5.0)
     return count * size / elapsed / 1e9, cpu * 1e3 / (count * size / 1e6)
 
 
