@@ -277,9 +277,16 @@ def _lm_worker(args: argparse.Namespace) -> None:
         runs[name] = Run(model, inner, *plans[name](model, inner))
     # The implementations take turns, a block of steps each, in an order
     # that rotates: the shared machine's slow and fast spells fall on all.
-    for i, first in enumerate(range(0, args.steps, args.block)):
-        for name in rotated(names, i):
-            runs[name].advance(min(args.block, args.steps - first))
+    # A turn ends a step before a multiple of the block (a multiple of H by
+    # default): DiLoCo's exchange then in flight started tau - 1 steps
+    # earlier and is due at the next step, so the wait at the end of the
+    # turn is what the next step would have waited anyway.
+    done, turn = 0, 0
+    while done < args.steps:
+        end = min(args.steps, (turn + 1) * args.block - (1 if args.block > 1 else 0))
+        for name in rotated(names, turn):
+            runs[name].advance(end - done)
+        done, turn = end, turn + 1
     for name in names:
         finish(name, runs[name])
     if rank == 0:

@@ -95,7 +95,8 @@ def simulate(
     worker's parameters of the fragment become new_global + (now - at_start);
     floating buffers ride with fragment 0 the same way. ``sync_at_end``
     (DiLoCo.sync): the exchange still due is applied at once, then every
-    fragment syncs with tau = 0."""
+    fragment syncs with tau = 0, but one whose locals became its global
+    parameters at the last step."""
     template = make_model(0, with_bn)
     workers = [copy.deepcopy(template) for _ in range(world)]
     inner = [make_inner(w) for w in workers]
@@ -137,23 +138,29 @@ def simulate(
             buffers = ([sum(bs) / world for bs in zip(*starts, strict=True)], starts)
         return (idx, mean, at_start, buffers)
 
+    synced: dict[int, int] = {}  # fragment -> the step its locals became global
     for t in range(1, steps + 1):
         for r in range(world):
             inner_step(workers[r], inner[r], r, t - 1)
         if t in due:
-            apply(due.pop(t))
+            apply(due.pop(t)[2])
         for f in range(fragments):
             if (t - f * sync_every // fragments) % sync_every:
                 continue
             exchange = start(f)
             if tau == 0:
                 apply(exchange)
+                synced[f] = t
             else:
-                due[t + tau] = exchange
+                due[t + tau] = (f, t, exchange)
     if sync_at_end:
         for t in sorted(due):
-            apply(due.pop(t))
-        for exchange in [start(f) for f in range(fragments)]:
+            f, started, exchange = due.pop(t)
+            apply(exchange)
+            if started == steps:
+                synced[f] = steps
+        left = [f for f in range(fragments) if synced.get(f) != steps]
+        for exchange in [start(f) for f in left]:
             apply(exchange)
     return workers
 
@@ -248,6 +255,33 @@ def test_sync_brings_every_rank_to_the_same_model_as_the_simulation(
     apart = simulate(3, steps, sync_every=h, fragments=fragments, with_bn=bn)
     with pytest.raises(AssertionError):
         assert_close(real, apart, atol=1e-4)
+
+
+@pytest.mark.timeout(60)
+def test_sync_right_after_a_sync_changes_nothing(pair: list[fg.Backend]) -> None:
+    # F=1, H=4, 8 steps: the fragment synced at step 8; sync() leaves it (an
+    # outer step on a zero pseudo-gradient would still move the model by
+    # the momentum), and a second sync() changes nothing either.
+    h, steps = 4, 8
+
+    def run(rank: int) -> list[dict[str, torch.Tensor]]:
+        model = make_model(rank, True)
+        opt = make_inner(model)
+        diloco = fg.DiLoCo(model, pair[rank], opt, sync_every=h)
+        for t in range(steps):
+            inner_step(diloco, opt, rank, t)
+            diloco.step()
+        states = [copy.deepcopy(model.state_dict())]
+        for _ in range(2):
+            diloco.sync()
+            states.append(copy.deepcopy(model.state_dict()))
+        return states
+
+    for states in on_ranks(run, 2):
+        for later in states[1:]:
+            for name, x in states[0].items():
+                assert torch.equal(x, later[name]), name
+    assert OUTER_MOMENTUM > 0  # (else an extra outer step would not move it)
 
 
 # ----------------------------------------------------------------------- 2

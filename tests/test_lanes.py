@@ -91,6 +91,10 @@ async def test_a_refused_stream_takes_only_its_lane_down(monkeypatch: pytest.Mon
             await _all_reduce_checked(peers, step)
         assert all(fg.testing.broken(p) is None for p in peers)
         assert len(made) >= before
+        killed = [lane for lane in made if lane.dead]
+        assert killed  # the refused streams' lanes
+    # The killed lanes too were waited for at close, not forgotten.
+    assert all(lane.call.done() and lane._reader.done() for lane in made)
 
 
 def _identity(b: bytes) -> bytes:

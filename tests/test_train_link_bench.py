@@ -29,9 +29,10 @@ def test_the_training_link_bench_counts_int8_and_diloco_bytes_on_the_wire(
             *(sys.executable, "-m", "client.bench_train_link", "--link", "1gbit"),
             *("--what", "lm", "--steps", "20", "--sync-every", "10", "--fragments", "2"),
             *("--outer-lr", "1.0", "--outer-momentum", "0.0", "--json", str(figures)),
-            # Turns of 7 steps: DiLoCo's exchange that starts after step 5
-            # (F=2, H=10: starts after 5, 10, 15, 20, each applied 5 steps
-            # later) is still in flight when the first turn ends, at 7.
+            # Turns of 7 steps (ending after steps 6, 13, 20): DiLoCo's
+            # exchange that starts after step 5 (F=2, H=10: starts after 5,
+            # 10, 15, 20, each applied 5 steps later) is still in flight when
+            # the first turn ends.
             *("--block", "7", "--only", ddp, int8, diloco),
         ],
         cwd=ROOT,

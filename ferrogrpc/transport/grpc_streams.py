@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, cast
 
 import grpc
@@ -232,30 +232,38 @@ class _Lane:
                 raise
 
     def kill(self) -> None:
+        """Cancel the lane's call. Its reader ends once gRPC has taken the
+        cancellation in (the transport keeps the lane until then)."""
         self.dead = True
         self.call.cancel()
-        self._reader.cancel()
+
+    def when_ended(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the reader ended (gRPC answered its last
+        read: no operation of the call is left pending)."""
+        self._reader.add_done_callback(lambda _: callback())
 
     async def end(self, grace: float) -> None:
-        """End the lane for good, waiting (within ``grace`` twice over) until
+        """End the lane for good, waiting (``grace`` twice at most) until
         gRPC has finished its operations: an idle lane is half-closed and
-        its receiver ends it, any other is cancelled. A call's operations
-        left pending when its event loop closes are delivered later to
-        whichever loop polls next, which then fails with "Event loop is
-        closed" (two backends in one process, an elastic rebuild)."""
-        if not self.dead and self.answer is None:
+        its receiver ends it, any other (or one whose receiver does not end
+        it within ``grace``) is cancelled. A call's operations left pending
+        when its event loop closes are delivered later to whichever loop
+        polls next, which then fails with "Event loop is closed" (two
+        backends in one process, an elastic rebuild)."""
+        loop = asyncio.get_running_loop()
+        if not self.dead and self.answer is None and not self._reader.done():
+            deadline = loop.time() + grace
             with contextlib.suppress(Exception):
-                async with asyncio.timeout(grace):
+                async with asyncio.timeout_at(deadline):
                     await self.call.done_writing()
-                    await asyncio.shield(self._reader)
+            await asyncio.wait([self._reader], timeout=max(0.0, deadline - loop.time()))
         self.dead = True
-        if not self._reader.done():
+        if not self.call.done():
             self.call.cancel()
+        if not self._reader.done():
             # The read fails once gRPC has taken the cancellation in.
             await asyncio.wait([self._reader], timeout=grace)
         self._reader.cancel()
-        with contextlib.suppress(BaseException):
-            await self.call.code()
 
 
 class _LaneOutStream:
@@ -559,7 +567,7 @@ class GrpcTransport(Transport):
         key = (dst, lane)
         idle = self._idle.get(key, [])
         while idle and idle[-1].dead:
-            self._lanes.discard(idle.pop())
+            idle.pop()
         if idle:
             conn = idle.pop()
         else:
@@ -567,7 +575,10 @@ class GrpcTransport(Transport):
                 LANE_METHOD, request_serializer=_identity, response_deserializer=_identity
             )
             conn = _Lane(method(metadata=self._metadata))  # type: ignore[call-arg]
+            # Kept until its reader ended, killed or not: close() waits for
+            # what is left of every lane (see _Lane.end).
             self._lanes.add(conn)
+            conn.when_ended(lambda: self._lanes.discard(conn))
         conn.begin()
         return _LaneOutStream(self, key, conn, self.addresses[dst])
 
@@ -577,7 +588,6 @@ class GrpcTransport(Transport):
         idle = self._idle.setdefault(key, [])
         if lane.dead or len(idle) >= IDLE_LANES:
             lane.kill()
-            self._lanes.discard(lane)
         else:
             idle.append(lane)
 

@@ -187,7 +187,7 @@ class DiLoCo:
 
     Failure: a failed exchange raises the backend's error (a
     :class:`FerroGrpcError` subclass) from the ``step()`` that starts or
-    applies it (or from ``state_dict()``, which waits for it). Nothing of
+    applies it (or from ``state_dict()`` or ``sync()``, which wait for it). Nothing of
     that exchange is applied: the fragment's global parameters, outer
     momentum and local parameters are as they were, and the exchange is
     dropped (the step it failed in is still counted, and an exchange due
@@ -214,7 +214,7 @@ class DiLoCo:
     Raises:
         ConfigError: a bad argument (on this rank, before any collective),
             or (on every rank) ranks wrapping different models or settings.
-        FerroGrpcError: from construction, ``step()`` and ``state_dict()``,
+        FerroGrpcError: from construction, ``step()``, ``sync()`` and ``state_dict()``,
             what the backend raised.
     """
 
@@ -300,6 +300,9 @@ class DiLoCo:
         self._wire = COMPRESSION[compression]
         self._steps = 0
         self._pending: _Exchange | None = None
+        # Per fragment, the inner step at which its local parameters were
+        # last set to its global ones (-1: not since construction or load).
+        self._synced_at = [-1] * fragments
 
         check_same_model(
             model,
@@ -372,26 +375,37 @@ class DiLoCo:
         replayed, as when it falls due), then every fragment syncs, blocking,
         as one fragment does at its turn: the averaged pseudo-gradient, the
         outer step, the local parameters set to the new global ones (and the
-        floating-point buffers to their mean). No inner step is counted:
-        training may go on after it, on the same schedule.
+        floating-point buffers to their mean). A fragment whose local
+        parameters were set to its global ones at this inner step (it
+        synced here, and no inner step ran since) is left as it is: a sync
+        right after a sync, or a second ``sync()``, changes nothing. No
+        inner step is counted: training may go on after it, on the same
+        schedule.
 
-        Synchronizes: a collective (one mean all-reduce per fragment, and
-        one for the buffers); every rank calls it after the same inner step.
-        On failure: the backend's error is raised; the exchange that was in
-        flight is applied if it had arrived (dropped, as in ``step()``, if
-        it failed), and nothing of the fragments' own syncs is."""
+        Synchronizes: a collective (one mean all-reduce per fragment it
+        syncs, and one for the buffers with fragment 0); every rank calls
+        it after the same inner step. On failure: the backend's error is
+        raised; the exchange that was in flight is applied if it had
+        arrived (dropped, as in ``step()``, if it failed), and nothing of
+        the fragments' own syncs is."""
         exchange = self._pending
         if exchange is not None:
             self._settle()
             self._pending = None
             self._apply(exchange)
-        started = [self._start(f, keep=False) for f in range(self.fragments)]
+        due = [f for f in range(self.fragments) if self._synced_at[f] != self._steps]
+        started: list[_Exchange] = []
         failure: BaseException | None = None
-        for exchange in started:
+        try:
+            for f in due:
+                started.append(self._start(f, keep=False))
+        except BaseException as exc:
+            failure = exc
+        for exchange in started:  # every started one is waited for
             for work in exchange.works:
                 try:
                     work.wait()
-                except BaseException as exc:  # the others are waited for too
+                except BaseException as exc:
                     failure = failure or exc
         if failure is not None:
             raise failure
@@ -451,6 +465,9 @@ class DiLoCo:
             else:
                 drift = fragment.flatten().sub_(exchange.local_at_start)
                 fragment.write(drift.add_(fragment.global_params))
+            if exchange.local_at_start is None or exchange.started == self._steps:
+                # (No inner step since the start: the drift was zero.)
+                self._synced_at[exchange.fragment] = self._steps
             if exchange.buffers is not None:
                 averaged = exchange.buffers
                 if exchange.buffers_at_start is not None:
@@ -535,6 +552,7 @@ class DiLoCo:
                 fragment.global_params.copy_(g)
                 fragment.momentum.copy_(m)
         self._steps = steps
+        self._synced_at = [-1] * self.fragments
         if pending is not None:
             fragment = self._fragments[pending["fragment"]]
 
