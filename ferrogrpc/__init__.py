@@ -23,6 +23,7 @@ from .errors import (
     RendezvousError,
 )
 from .options import ChunkPolicy, Timeouts, TLSConfig
+from .transport.grpc_tuning import tune_when_grpc_loads
 from .wrappers.registration import register_when_torch_loads
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+tune_when_grpc_loads()
 register_when_torch_loads()
 
 __all__ = [

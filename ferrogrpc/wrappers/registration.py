@@ -7,7 +7,7 @@ torch, and importing it costs seconds of CPU (every 2 s, as a
 healthcheck). So the package loads its torch-using names on first use, and
 registers the backend with torch.distributed as soon as torch itself is
 loaded: at once when it already is, else the moment ``import torch``
-finishes (a one-shot import hook on the ``torch`` package). The
+finishes (a one-shot import hook on the ``torch`` package: import_hook.py). The
 registration imports nothing of ours: the process group is built, and its
 module imported, only when torch asks for one
 (``dist.init_process_group("ferrogrpc")``).
@@ -15,13 +15,12 @@ module imported, only when torch asks for one
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
+import contextlib
 import threading
-from collections.abc import Sequence
-from types import ModuleType
+from collections.abc import Iterator
 from typing import Any
+
+from ..import_hook import around_first_import
 
 NAME = "ferrogrpc"
 _lock = threading.Lock()
@@ -57,46 +56,14 @@ def register() -> None:
         dist.distributed_c10d.monitored_barrier = monitored_barrier
 
 
-class _AfterTorch(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when ``torch`` is first imported, it wraps the
-    real loader so that :func:`register` runs once torch has finished
-    loading, then steps aside."""
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != "torch":
-            return None
-        _remove_hook()
-        spec: importlib.machinery.ModuleSpec | None = None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if find is not None and (spec := find(fullname, path, target)) is not None:
-                break
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
-
-        def exec_then_register(module: ModuleType) -> None:
-            exec_module(module)
-            register()
-
-        loader.exec_module = exec_then_register  # type: ignore[method-assign]
-        return spec
-
-
-_hook = _AfterTorch()
-
-
-def _remove_hook() -> None:
-    if _hook in sys.meta_path:
-        sys.meta_path.remove(_hook)
+@contextlib.contextmanager
+def _register_after() -> Iterator[None]:
+    """Around torch's first import: register once it has loaded."""
+    yield
+    register()
 
 
 def register_when_torch_loads() -> None:
     """Register now if torch is loaded, else as soon as it is."""
-    if "torch" in sys.modules:
+    if not around_first_import("torch", _register_after):
         register()
-    elif _hook not in sys.meta_path:
-        sys.meta_path.insert(0, _hook)

@@ -1,0 +1,151 @@
+"""gRPC's read tuning ([Note: gRPC's read wake-ups] in
+ferrogrpc/transport/grpc_tuning.py): which GRPC_EXPERIMENTS grpc loads
+with, that the variable never leaks into this process's environment or its
+children, and what it is for: a rank's CPU during an all_reduce over a
+slow link, tuned against untuned, in the same test."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from client.netlab import Link, network
+from ferrogrpc.transport.grpc_tuning import EXPERIMENTS, experiments_value
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.timeout(120)
+
+OURS = ",".join(EXPERIMENTS)
+
+
+def test_the_value_grpc_loads_with() -> None:
+    assert experiments_value(None) == OURS
+    assert experiments_value("") == OURS
+    assert experiments_value(" other , x ") == "other,x," + OURS
+    # A value that names either experiment, on or off, is the user's call.
+    assert experiments_value("tcp_rcv_lowat") is None
+    assert experiments_value("x,-tcp_frame_size_tuning") is None
+
+
+PROBE = """
+import ctypes, json, os, subprocess, sys
+{first}
+from ferrogrpc.transport import grpc_tuning
+before = grpc_tuning.state()
+import grpc.aio
+libc = ctypes.CDLL(None)
+libc.getenv.restype = ctypes.c_char_p
+raw = libc.getenv(b"GRPC_EXPERIMENTS")
+child = subprocess.run(
+    [sys.executable, "-c", "import os; print(os.environ.get('GRPC_EXPERIMENTS'))"],
+    capture_output=True, text=True, check=True,
+).stdout.strip()
+print(json.dumps({{
+    "before": before,
+    "after": grpc_tuning.state(),
+    "environ": os.environ.get("GRPC_EXPERIMENTS"),
+    "c_env": raw.decode() if raw is not None else None,
+    "child": child,
+}}))
+"""
+
+
+def _probe(first: str, **env: str) -> dict[str, str | None]:
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("GRPC_EXPERIMENTS", "FERROGRPC_GRPC_TUNING")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE.format(first=first)],
+        env=clean | {"PYTHONPATH": str(ROOT)} | env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_grpc_loads_tuned_and_the_variable_goes_nowhere_else() -> None:
+    seen = _probe("import ferrogrpc")
+    assert seen["before"].startswith("waiting"), seen
+    assert seen["after"] == f"applied: grpc loaded with GRPC_EXPERIMENTS={OURS}", seen
+    # Set only while grpc loaded: not in os.environ, not in the C
+    # environment after, not inherited.
+    assert seen["environ"] is None and seen["c_env"] is None, seen
+    assert seen["child"] == "None", seen
+
+
+def test_a_users_own_experiments_are_kept() -> None:
+    seen = _probe("import ferrogrpc", GRPC_EXPERIMENTS="-tcp_rcv_lowat")
+    assert seen["after"] == "left to you: GRPC_EXPERIMENTS=-tcp_rcv_lowat names them", seen
+    assert seen["environ"] == seen["c_env"] == seen["child"] == "-tcp_rcv_lowat", seen
+
+
+def test_off_and_too_late_are_said() -> None:
+    off = _probe("import ferrogrpc", FERROGRPC_GRPC_TUNING="0")
+    assert off["after"] == "off: FERROGRPC_GRPC_TUNING=0", off
+    late = _probe("import grpc\nimport ferrogrpc")
+    assert late["after"] == "not applied: grpc was imported before ferrogrpc", late
+    for seen in (off, late):
+        assert seen["environ"] is None and seen["c_env"] is None, seen
+
+
+ELEMENTS = 3_000_000  # 12 MB: about 1 s on 100 Mbit/s
+CALLS = 2
+
+
+def _cpu_per_call(tuning: str) -> list[float]:
+    """Both ranks' CPU seconds per 12 MB all_reduce over 100 Mbit/s."""
+    with network(["a", "b"], Link.parse("100mbit")) as net:
+        hosts = list(net.hosts.values())
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(ROOT),
+            OMP_NUM_THREADS="1",
+            WORLD_SIZE="2",
+            MASTER_ADDR=hosts[0].address,
+            MASTER_PORT="29521",
+            FERROGRPC_PORT="29531",
+            FERROGRPC_TIMEOUT="60",
+            FERROGRPC_GRPC_TUNING=tuning,
+            ELEMENTS=str(ELEMENTS),
+            CALLS=str(CALLS),
+        )
+        env.pop("GRPC_EXPERIMENTS", None)
+        procs = [
+            subprocess.Popen(
+                host.run(sys.executable, str(ROOT / "tests/ranks/read_cpu.py")),
+                env=dict(env, RANK=str(rank)),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank, host in enumerate(hosts)
+        ]
+        outs = [p.communicate(timeout=50)[0] for p in procs]
+    cpu = []
+    for out in outs:
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        assert lines, out[-3000:]
+        record = json.loads(lines[-1])
+        assert record["exact"] == [True] * CALLS, record
+        expected = "applied" if tuning == "1" else "off"
+        assert record["tuning"].startswith(expected), record
+        cpu += record["cpu_s"]
+    return cpu
+
+
+def test_a_slow_link_costs_a_fraction_of_the_cpu() -> None:
+    assert os.geteuid() == 0, "needs root for ip netns and tc (CI runs as root)"
+    off = _cpu_per_call("0")
+    on = _cpu_per_call("1")
+    # Measured: 0.55-0.7 s off and 0.1-0.13 s on, per 24 MB call.
+    print(f"CPU per call, untuned: {off}; tuned: {on}")
+    assert statistics.median(on) < 0.5 * statistics.median(off), (on, off)
