@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import itertools
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -23,12 +24,45 @@ D_IN, D_OUT, BATCH = 6, 3, 8
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 # The model without BatchNorm, by parameter: elements 48, 8, 64, 8, 24, 3.
 NAMES = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
-# Contiguous, balanced by bytes: cut k at the prefix sum nearest k/F of 155.
+# Contiguous, balanced by bytes (all float64): cut k at the element
+# boundary nearest k/F of the 155 elements, the earlier on a tie, inside a
+# parameter where it falls there.
 LAYOUTS = {
     1: [NAMES],
-    2: [NAMES[:2], NAMES[2:]],  # 56 | 99  (cut at 56, not 120: 77.5 is nearer)
-    3: [NAMES[:1], NAMES[1:3], NAMES[3:]],  # 48 | 72 | 35  (targets 51.7, 103.3)
+    # 77 | 78 (77.5: the earlier)
+    2: [
+        ["0.weight", "0.bias", "2.weight[0:21]"],
+        ["2.weight[21:64]", "2.bias", "4.weight", "4.bias"],
+    ],
+    # 52 | 51 | 52 (51.7 and 103.3)
+    3: [
+        ["0.weight", "0.bias[0:4]"],
+        ["0.bias[4:8]", "2.weight[0:47]"],
+        ["2.weight[47:64]", "2.bias", "4.weight", "4.bias"],
+    ],
 }
+
+
+def pieces(numels: list[int], fragments: int) -> list[list[tuple[int, int, int]]]:
+    """Per fragment, its (parameter, lo, hi) element ranges: the cuts at
+    the element boundaries nearest k/F of the total (equal element sizes),
+    the earlier on a tie."""
+    total = sum(numels)
+    cuts = [0]
+    for k in range(1, fragments):
+        target = total * k / fragments
+        cuts.append(int(target) if target - int(target) <= 0.5 else int(target) + 1)
+    cuts.append(total)
+    out: list[list[tuple[int, int, int]]] = []
+    for lo, hi in itertools.pairwise(cuts):
+        ranges, first = [], 0
+        for i, n in enumerate(numels):
+            a, b = max(lo - first, 0), min(hi - first, n)
+            if a < b:
+                ranges.append((i, a, b))
+            first += n
+        out.append(ranges)
+    return out
 
 
 def _group(world: int) -> Iterator[list[fg.Backend]]:
@@ -100,10 +134,16 @@ def simulate(
     template = make_model(0, with_bn)
     workers = [copy.deepcopy(template) for _ in range(world)]
     inner = [make_inner(w) for w in workers]
-    names = [n for n, _ in template.named_parameters()]
-    glob = [p.detach().clone() for p in template.parameters()]
-    outer = torch.optim.SGD(glob, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-    groups = [names] if fragments == 1 else LAYOUTS[fragments]
+    # Per fragment: its element ranges, their global values (one leaf
+    # tensor per range) and an outer optimizer of its own (SGD is
+    # elementwise, so this is one SGD over the model, stepped per fragment).
+    groups = pieces([p.numel() for p in template.parameters()], fragments)
+    glob = [
+        [p.detach().reshape(-1)[lo:hi].clone() for i, lo, hi in group
+         for p in [list(template.parameters())[i]]]
+        for group in groups
+    ]  # fmt: skip
+    outer = [torch.optim.SGD(g, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True) for g in glob]
     tau = 0 if fragments == 1 else sync_every // fragments
     due: dict[int, Any] = {}
 
@@ -114,29 +154,34 @@ def simulate(
         return [b for b in workers[r].buffers() if b.is_floating_point()]
 
     def apply(exchange: Any) -> None:
-        idx, mean, at_start, buffers = exchange
-        for i, g in enumerate(glob):
-            g.grad = mean[i] if i in idx else None
-        outer.step()
+        f, mean, at_start, buffers = exchange
+        for g, m in zip(glob[f], mean, strict=True):
+            g.grad = m
+        outer[f].step()
         with torch.no_grad():
             for r in range(world):
-                for i in idx:
-                    p = params(r)[i]
-                    p.copy_(glob[i] + (p - at_start[r][i]))
+                for j, (i, lo, hi) in enumerate(groups[f]):
+                    flat = params(r)[i].view(-1)
+                    flat[lo:hi] = glob[f][j] + (flat[lo:hi] - at_start[r][j])
                 if buffers is not None:
                     means, starts = buffers
                     for b, m, s in zip(float_buffers(r), means, starts[r], strict=True):
                         b.copy_(m + (b - s))
 
     def start(f: int) -> Any:
-        idx = [names.index(n) for n in groups[f]]
-        mean = {i: sum(glob[i] - params(r)[i].detach() for r in range(world)) / world for i in idx}
-        at_start = [{i: params(r)[i].detach().clone() for i in idx} for r in range(world)]
+        def local(r: int, i: int, lo: int, hi: int) -> torch.Tensor:
+            return params(r)[i].detach().reshape(-1)[lo:hi]
+
+        mean = [
+            sum(g - local(r, i, lo, hi) for r in range(world)) / world
+            for g, (i, lo, hi) in zip(glob[f], groups[f], strict=True)
+        ]
+        at_start = [[local(r, *piece).clone() for piece in groups[f]] for r in range(world)]
         buffers = None
         if f == 0 and with_bn:
             starts = [[b.clone() for b in float_buffers(r)] for r in range(world)]
             buffers = ([sum(bs) / world for bs in zip(*starts, strict=True)], starts)
-        return (idx, mean, at_start, buffers)
+        return (f, mean, at_start, buffers)
 
     synced: dict[int, int] = {}  # fragment -> the step its locals became global
     for t in range(1, steps + 1):
@@ -469,7 +514,10 @@ def test_bad_arguments_raise_config_errors(pair: list[fg.Backend]) -> None:
         ({"outer_momentum": 1.0}, "outer_momentum must be a number in [0, 1)"),
         ({"outer_momentum": -0.1}, "outer_momentum must be a number in [0, 1)"),
         ({"fragments": 0}, "fragments must be an int >= 1"),
-        ({"fragments": 7, "sync_every": 10}, "exceeds the model's 6 trainable parameter tensors"),
+        (
+            {"fragments": 156, "sync_every": 200},
+            "fragments=156 exceeds the model's 155 trainable parameter elements",
+        ),
         ({"fragments": 3, "sync_every": 2}, "fragments=3 exceeds sync_every=2"),
         ({"compression": "fp16"}, "compression must be None, 'bf16' or 'int8', got 'fp16'"),
     ]
@@ -600,3 +648,23 @@ def test_a_failed_exchange_raises_from_step_and_changes_nothing(pair: list[fg.Ba
             assert torch.equal(x, after["model"][name]), name
 
     on_ranks(run, 2)
+
+
+@pytest.mark.timeout(30)
+def test_a_cut_inside_a_non_contiguous_parameter_reads_and_writes_its_own_elements() -> None:
+    from ferrogrpc.wrappers.diloco import _make_fragment
+
+    weight = nn.Parameter(torch.arange(12.0).view(3, 4).t())  # (4, 3), not contiguous
+    bias = nn.Parameter(torch.arange(100.0, 103.0))
+    named = [("w", weight), ("b", bias)]
+    first, second = _make_fragment(named, 0, 7), _make_fragment(named, 7, 15)
+    assert [p.label() for p in first.pieces] == ["w[0:7]"]
+    assert [p.label() for p in second.pieces] == ["w[7:12]", "b"]
+    flat = weight.detach().reshape(-1)
+    assert torch.equal(first.flatten(), flat[:7])
+    assert torch.equal(second.flatten(), torch.cat([flat[7:], bias.detach()]))
+    second.write(torch.full((8,), -1.0))
+    first.write(torch.zeros(7))
+    assert torch.equal(weight.detach().reshape(-1), torch.tensor([0.0] * 7 + [-1.0] * 5))
+    assert torch.equal(bias.detach(), torch.full((3,), -1.0))
+    assert not weight.is_contiguous()

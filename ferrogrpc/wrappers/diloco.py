@@ -30,19 +30,28 @@ PARAMETER_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # ------------------------------------------------------------- the pure part
 
 
-def split_by_bytes(sizes: Sequence[int], parts: int) -> list[int]:
-    """The first index of each of ``parts`` contiguous, non-empty groups of
-    ``sizes`` (bytes per parameter, in order): cut ``k`` falls at the prefix
-    sum nearest ``k / parts`` of the total (the earlier cut on a tie), kept
-    far enough from the ends that every group holds at least one."""
-    prefix = [0]
-    for size in sizes:
-        prefix.append(prefix[-1] + size)
+def fragment_starts(numels: Sequence[int], itemsizes: Sequence[int], parts: int) -> list[int]:
+    """Where each of ``parts`` contiguous, non-empty fragments starts, as an
+    index into the trainable parameters' elements laid end to end (in
+    order; ``numels`` and ``itemsizes`` per parameter): cut ``k`` falls at
+    the element boundary nearest ``k / parts`` of the total bytes (the
+    earlier on a tie), inside a parameter where that is nearest, kept far
+    enough from the ends that every fragment holds at least one element."""
+    total = sum(numels)
+    total_bytes = sum(n * s for n, s in zip(numels, itemsizes, strict=True))
     starts = [0]
     for k in range(1, parts):
-        target = prefix[-1] * k / parts
-        candidates = range(starts[-1] + 1, len(sizes) - (parts - k) + 1)
-        starts.append(min(candidates, key=lambda i: (abs(prefix[i] - target), i)))
+        target = total_bytes * k / parts
+        first = at = 0  # the parameter's first element and first byte
+        cut = total
+        for n, s in zip(numels, itemsizes, strict=True):
+            if at + n * s >= target:
+                into = (target - at) / s
+                whole = math.floor(into)
+                cut = first + (whole if into - whole <= 0.5 else whole + 1)
+                break
+            first, at = first + n, at + n * s
+        starts.append(min(max(cut, starts[-1] + 1), total - (parts - k)))
     return starts
 
 
@@ -73,27 +82,51 @@ def fragment_starting(step: int, sync_every: int, fragments: int) -> int | None:
 
 
 @dataclasses.dataclass
-class _Fragment:
-    """Contiguous parameters that sync together, with their outer state:
-    the global parameters and the outer momentum, each one flat tensor."""
+class _Piece:
+    """Elements ``lo:hi`` of a parameter (flat, in its own order), at
+    ``offset`` in its fragment's flat tensors."""
 
-    names: list[str]
-    params: list[nn.Parameter]
-    offsets: list[int]
+    name: str
+    param: nn.Parameter
+    lo: int
+    hi: int
+    offset: int
+
+    def label(self) -> str:
+        """The name, with the element range when it is not the whole."""
+        whole = self.lo == 0 and self.hi == self.param.numel()
+        return self.name if whole else f"{self.name}[{self.lo}:{self.hi}]"
+
+
+@dataclasses.dataclass
+class _Fragment:
+    """Contiguous parameter elements that sync together, with their outer
+    state: the global parameters and the outer momentum, each one flat
+    tensor."""
+
+    pieces: list[_Piece]
     global_params: torch.Tensor
     momentum: torch.Tensor
 
     def flatten(self) -> torch.Tensor:
         """This rank's current parameters, flat, in the global dtype."""
         out = torch.empty_like(self.global_params)
-        for p, lo in zip(self.params, self.offsets, strict=True):
-            out[lo : lo + p.numel()].copy_(p.detach().reshape(-1))
+        for piece in self.pieces:
+            end = piece.offset + piece.hi - piece.lo
+            out[piece.offset : end].copy_(piece.param.detach().reshape(-1)[piece.lo : piece.hi])
         return out
 
     def write(self, flat: torch.Tensor) -> None:
         with torch.no_grad():
-            for p, lo in zip(self.params, self.offsets, strict=True):
-                p.copy_(flat[lo : lo + p.numel()].view(p.shape))
+            for piece in self.pieces:
+                source = flat[piece.offset : piece.offset + piece.hi - piece.lo]
+                p = piece.param.detach()
+                if p.is_contiguous():
+                    p.view(-1)[piece.lo : piece.hi].copy_(source)
+                else:  # (reshape would copy: write the whole through a copy)
+                    whole = p.reshape(-1).clone()
+                    whole[piece.lo : piece.hi].copy_(source)
+                    p.copy_(whole.view(p.shape))
 
 
 @dataclasses.dataclass
@@ -147,8 +180,9 @@ class DiLoCo:
     parameters (see the delay below); other buffers (counters) stay local.
 
     Streaming (``fragments=F > 1``; Douillard et al., arXiv 2501.18512):
-    the trainable parameters are cut, in registration order, into F
-    contiguous fragments balanced by bytes (``fragment_layout()``).
+    the trainable parameters' elements, laid end to end in registration
+    order, are cut into F contiguous fragments balanced by bytes, inside a
+    parameter where the balance falls there (``fragment_layout()``).
     Fragment f starts its exchange after inner step t when
     ``t % H == f * H // F`` (t >= 1), in the background
     (``async_op=True``); the inner steps go on meanwhile. It is applied
@@ -206,7 +240,7 @@ class DiLoCo:
         sync_every: H, the inner steps between a fragment's syncs (>= 1).
         outer_lr: the outer learning rate (> 0; 0.7 in the paper).
         outer_momentum: the outer Nesterov momentum, in [0, 1).
-        fragments: F, from 1 to the number of trainable parameter tensors,
+        fragments: F, from 1 to the number of trainable parameter elements,
             and at most ``sync_every``.
         compression: None, ``"bf16"`` or ``"int8"``: the dtype the
             pseudo-gradients cross gRPC in.
@@ -266,11 +300,12 @@ class DiLoCo:
             raise _refused(backend, "DiLoCo: the model has no trainable parameter")
         if not _is_int(fragments) or fragments < 1:
             raise _refused(backend, f"DiLoCo: fragments must be an int >= 1, got {fragments!r}")
-        if fragments > len(trainable):
+        elements = sum(p.numel() for _, p in trainable)
+        if fragments > elements:
             raise _refused(
                 backend,
-                f"DiLoCo: fragments={fragments} exceeds the model's {len(trainable)} trainable "
-                "parameter tensors (each fragment holds at least one)",
+                f"DiLoCo: fragments={fragments} exceeds the model's {elements} trainable "
+                "parameter elements (each fragment holds at least one)",
             )
         if fragments > sync_every:
             raise _refused(
@@ -319,10 +354,12 @@ class DiLoCo:
         # Rank 0's parameters and buffers everywhere, in place (the Parameter
         # objects stay, so the inner optimizer stays valid).
         broadcast_in_place(backend, [*model.parameters(), *model.buffers()], 0)
-        starts = split_by_bytes([p.numel() * p.element_size() for _, p in trainable], fragments)
+        starts = fragment_starts(
+            [p.numel() for _, p in trainable], [p.element_size() for _, p in trainable], fragments
+        )
         self._fragments = [
-            _make_fragment(trainable[lo:hi])
-            for lo, hi in zip(starts, [*starts[1:], len(trainable)], strict=True)
+            _make_fragment(trainable, lo, hi)
+            for lo, hi in zip(starts, [*starts[1:], elements], strict=True)
         ]
         self._buffers = [b for b in model.buffers() if b.is_floating_point()]
 
@@ -345,8 +382,10 @@ class DiLoCo:
         return sync_delay(self.sync_every, self.fragments)
 
     def fragment_layout(self) -> list[list[str]]:
-        """The trainable parameters' names, per fragment, in sync order."""
-        return [list(f.names) for f in self._fragments]
+        """The trainable parameters, per fragment, in sync order: a name, or
+        ``name[lo:hi]`` for the elements ``lo:hi`` of a parameter cut
+        between two fragments (its flat elements, in its own order)."""
+        return [[piece.label() for piece in f.pieces] for f in self._fragments]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward."""
@@ -612,19 +651,22 @@ def _check_tensors(
             )
 
 
-def _make_fragment(named: list[tuple[str, nn.Parameter]]) -> _Fragment:
+def _make_fragment(named: list[tuple[str, nn.Parameter]], start: int, end: int) -> _Fragment:
+    """The fragment of elements ``start:end`` of the trainable parameters
+    laid end to end."""
+    pieces: list[_Piece] = []
     dtype = torch.float32
-    for _, p in named:
-        dtype = torch.promote_types(dtype, p.dtype)
-    offsets, numel = [], 0
-    for _, p in named:
-        offsets.append(numel)
-        numel += p.numel()
-    device = named[0][1].device
+    first = numel = 0
+    for name, p in named:
+        lo, hi = max(start - first, 0), min(end - first, p.numel())
+        if lo < hi:
+            pieces.append(_Piece(name, p, lo, hi, numel))
+            numel += hi - lo
+            dtype = torch.promote_types(dtype, p.dtype)
+        first += p.numel()
+    device = pieces[0].param.device
     fragment = _Fragment(
-        names=[n for n, _ in named],
-        params=[p for _, p in named],
-        offsets=offsets,
+        pieces=pieces,
         global_params=torch.empty(numel, dtype=dtype, device=device),
         momentum=torch.zeros(numel, dtype=dtype, device=device),
     )
