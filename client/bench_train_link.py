@@ -17,7 +17,12 @@ of gloo DDP's, and the bytes each rank's link sent per step.
 ``--what lm``: the character-level language model of client/charlm.py
 (1.85M parameters), each implementation trained for ``--steps`` steps from
 the same start: gloo DDP, ferrogrpc DDP (float32 and int8), and DiLoCo
-(``sync_every`` H = 50, AdamW inside, with and without fragments). Reported
+(``sync_every`` H = 50, AdamW inside, with and without fragments), and
+the link's ceiling for DiLoCo ("raw TCP, DiLoCo's bytes": the model trained
+alone while the bytes DiLoCo with ``--fragments`` sends cross the link at
+the same steps on a plain socket, in the background: what the kernel's
+work of moving them through this machine's shaped link costs any
+implementation). Reported
 per implementation: the wall time per step, the share of it spent
 computing (the model trained alone, in the same run, over the
 implementation's step: this also counts the CPU an exchange in the
@@ -49,8 +54,79 @@ from client.common import checkout_env, collect, rotated
 from client.netlab import Link, network, tx_bytes
 
 GLOO_PORT, FG_PORT = 29500, 29600
+RAW_TCP = "raw TCP, DiLoCo's bytes"
 LM_BATCH = 64
 LM_LR = 2e-3
+
+
+class _RawRing:
+    """The ceiling of DiLoCo's "computing" share on this link and machine:
+    a plain TCP connection to the next rank (and one from the previous),
+    on which :meth:`kick` sends ``nbytes`` in the background while the
+    previous rank's bytes are drained (each block answered with one byte),
+    with no framing, checksum or reduction. The kernel's cost of moving
+    bytes through the link is then all that the training loop loses."""
+
+    def __init__(self, rank: int, world: int, master: str, nbytes: int) -> None:
+        import queue
+        import socket
+        import threading
+
+        import torch.distributed as dist
+
+        # This host's address on the link: the one that routes to rank 0.
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        probe.connect((master, 9))
+        address = probe.getsockname()[0]
+        probe.close()
+        server = socket.create_server((address, 0))
+        endpoints: list[Any] = [None] * world
+        dist.all_gather_object(endpoints, (address, server.getsockname()[1]))
+        self._out = socket.create_connection(tuple(endpoints[(rank + 1) % world]))
+        self._in, _ = server.accept()
+        server.close()
+        self._buffer = memoryview(bytearray(nbytes))
+        self._kicks: queue.Queue[bool] = queue.Queue()
+        self._pending = 0
+        self._done = threading.Condition()
+        threading.Thread(target=self._send, daemon=True).start()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _send(self) -> None:
+        while self._kicks.get():
+            self._out.sendall(self._buffer)
+            # Done once the next rank has them all (not when they are
+            # queued here): their bytes count in this turn.
+            self._out.recv(1)
+            with self._done:
+                self._pending -= 1
+                self._done.notify_all()
+
+    def _drain(self) -> None:
+        sink = memoryview(bytearray(1 << 20))
+        with contextlib.suppress(OSError):
+            while True:
+                left = len(self._buffer)
+                while left:
+                    n = self._in.recv_into(sink, min(left, len(sink)))
+                    if not n:
+                        return
+                    left -= n
+                self._in.sendall(b"k")
+
+    def kick(self) -> None:
+        with self._done:
+            self._pending += 1
+        self._kicks.put(True)
+
+    def wait(self) -> None:
+        with self._done:
+            self._done.wait_for(lambda: self._pending == 0)
+
+    def close(self) -> None:
+        self._kicks.put(False)
+        self._out.close()
+        self._in.close()
 
 
 def _setup() -> tuple[int, int, Any]:
@@ -156,6 +232,7 @@ def _lm_worker(args: argparse.Namespace) -> None:
         cpu: float = 0.0
         blocked: float | None = 0.0
         sent: int = 0
+        raw: _RawRing | None = None
 
         def advance(self, steps: int) -> None:
             """Train ``steps`` more steps, timed; a DiLoCo exchange still in
@@ -175,9 +252,12 @@ def _lm_worker(args: argparse.Namespace) -> None:
                     self.blocked = None
                 else:
                     self.blocked += waited
-            if isinstance(self.wrapped, fg.DiLoCo):
+            if isinstance(self.wrapped, fg.DiLoCo) or self.raw is not None:
                 t = time.perf_counter()
-                self.wrapped.state_dict()  # waits for the exchange in flight
+                if self.raw is not None:
+                    self.raw.wait()
+                else:
+                    self.wrapped.state_dict()  # waits for the exchange in flight
                 if self.blocked is not None:
                     self.blocked += time.perf_counter() - t
             self.wall += time.perf_counter() - start
@@ -235,6 +315,27 @@ def _lm_worker(args: argparse.Namespace) -> None:
 
         return build
 
+    def raw_tcp(model: nn.Module, inner: Any) -> tuple[Any, Any]:
+        """The model alone, while the bytes of DiLoCo with ``--fragments``
+        cross the link at the same steps on a plain socket (_RawRing)."""
+        width = {"fp32": 4, "bf16": 2, "int8": 1}[args.diloco_compression]
+        elements = sum(p.numel() for p in model.parameters())
+        # A ring all-reduce sends 2(n-1)/n of the fragment.
+        nbytes = int(2 * (world - 1) / world * elements * width / args.fragments)
+        ring = _RawRing(rank, world, os.environ["MASTER_ADDR"], nbytes)
+        rings.append(ring)
+        every = args.sync_every // args.fragments
+        count = [0]
+
+        def after() -> float:
+            inner.step()
+            count[0] += 1
+            if count[0] % every == 0:
+                ring.kick()
+            return 0.0
+
+        return model, after
+
     def diloco(fragments: int, compression: str | None) -> Any:
         def build(model: nn.Module, inner: Any) -> tuple[Any, Any]:
             d = fg.DiLoCo(
@@ -269,12 +370,16 @@ def _lm_worker(args: argparse.Namespace) -> None:
         plans[f"DiLoCo H={h} F={fragments} {args.diloco_compression}"] = diloco(
             fragments, None if args.diloco_compression == "fp32" else args.diloco_compression
         )
+    plans[RAW_TCP] = raw_tcp
+    rings: list[_RawRing] = []
     names = args.only or list(plans)
     runs: dict[str, Run] = {}
     for name in names:
         model = charlm.build()
         inner = torch.optim.AdamW(model.parameters(), lr=LM_LR)
         runs[name] = Run(model, inner, *plans[name](model, inner))
+        if name == RAW_TCP:
+            runs[name].raw = rings[-1]
     # The implementations take turns, a block of steps each, in an order
     # that rotates: the shared machine's slow and fast spells fall on all.
     # A turn ends a step before a multiple of the block (a multiple of H by
@@ -289,6 +394,8 @@ def _lm_worker(args: argparse.Namespace) -> None:
         done, turn = end, turn + 1
     for name in names:
         finish(name, runs[name])
+    for ring in rings:
+        ring.close()
     if rank == 0:
         print("RESULT " + json.dumps({"results": results}), flush=True)
     backend.close()
