@@ -44,6 +44,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -69,7 +70,6 @@ class _RawRing:
 
     def __init__(self, rank: int, world: int, master: str, nbytes: int) -> None:
         import queue
-        import socket
         import threading
 
         import torch.distributed as dist
@@ -119,14 +119,17 @@ class _RawRing:
             self._pending += 1
         self._kicks.put(True)
 
-    def wait(self) -> None:
+    def wait(self, timeout: float = 300.0) -> None:
         with self._done:
-            self._done.wait_for(lambda: self._pending == 0)
+            if not self._done.wait_for(lambda: self._pending == 0, timeout):
+                raise RuntimeError(f"raw TCP ring: a block not acknowledged within {timeout:g} s")
 
     def close(self) -> None:
         self._kicks.put(False)
-        self._out.close()
-        self._in.close()
+        for sock in (self._out, self._in):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
 
 def _setup() -> tuple[int, int, Any]:
@@ -215,6 +218,7 @@ def _lm_worker(args: argparse.Namespace) -> None:
 
     import ferrogrpc as fg
     from client import charlm
+    from ferrogrpc.wrappers.diloco_fragments import fragment_starting
 
     rank, world, backend = _setup()
     results: dict[str, Any] = {}
@@ -321,16 +325,15 @@ def _lm_worker(args: argparse.Namespace) -> None:
         width = {"fp32": 4, "bf16": 2, "int8": 1}[args.diloco_compression]
         elements = sum(p.numel() for p in model.parameters())
         # A ring all-reduce sends 2(n-1)/n of the fragment.
-        nbytes = int(2 * (world - 1) / world * elements * width / args.fragments)
+        nbytes = max(1, int(2 * (world - 1) / world * elements * width / args.fragments))
         ring = _RawRing(rank, world, os.environ["MASTER_ADDR"], nbytes)
         rings.append(ring)
-        every = args.sync_every // args.fragments
         count = [0]
 
         def after() -> float:
             inner.step()
             count[0] += 1
-            if count[0] % every == 0:
+            if fragment_starting(count[0], args.sync_every, args.fragments) is not None:
                 ring.kick()
             return 0.0
 

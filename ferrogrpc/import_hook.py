@@ -19,42 +19,59 @@ _lock = threading.Lock()
 
 
 class _AroundImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when ``name`` is first imported, it wraps the
-    real loader so that the module's body runs inside ``around()``, then
-    steps aside."""
+    """Finds nothing itself: every spec the other finders return for
+    ``name`` gets its loader's ``exec_module`` wrapped, so that the first
+    of them to run the module's body runs it inside ``around()``. Only an
+    execution fires it: ``importlib.util.find_spec(name)`` (an "is it
+    installed?" probe, as transformers makes for torch) leaves it armed.
+    When it fires it steps aside, and each wrapped loader is put back as
+    it was when it next runs."""
 
     def __init__(self, name: str, around: Around) -> None:
         self.name = name
         self.around = around
+        self.fired = False
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname != self.name:
             return None
-        self.remove()
         spec: importlib.machinery.ModuleSpec | None = None
-        for finder in sys.meta_path:
+        for finder in list(sys.meta_path):
             find = getattr(finder, "find_spec", None)
-            if find is not None and (spec := find(fullname, path, target)) is not None:
+            if finder is self or find is None:
+                continue
+            if (spec := find(fullname, path, target)) is not None:
                 break
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        loader = None if spec is None else spec.loader
+        # A loader instance of its own (a file's): a class, or one without
+        # exec_module, would be patched for every module it loads.
+        if loader is None or isinstance(loader, type) or not hasattr(loader, "exec_module"):
             return spec
-        loader = spec.loader
         exec_module = loader.exec_module
-        around = self.around
 
         def exec_around(module: ModuleType) -> None:
-            with around():
+            with contextlib.suppress(AttributeError):
+                del loader.exec_module  # the class's again
+            if not self._claim():
+                exec_module(module)
+                return
+            with self.around():
                 exec_module(module)
 
         loader.exec_module = exec_around  # type: ignore[method-assign]
         return spec
 
-    def remove(self) -> None:
+    def _claim(self) -> bool:
+        """The first execution only: fire, and step aside."""
         with _lock:
+            if self.fired:
+                return False
+            self.fired = True
             if self in sys.meta_path:
                 sys.meta_path.remove(self)
+            return True
 
 
 def around_first_import(name: str, around: Around) -> bool:

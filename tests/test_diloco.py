@@ -560,6 +560,94 @@ def test_bad_arguments_raise_config_errors(pair: list[fg.Backend]) -> None:
         assert "fragments" in text, text
 
 
+@pytest.mark.timeout(60)
+def test_a_state_dict_cut_at_parameter_boundaries_loads_cut_again(
+    pair: list[fg.Backend],
+) -> None:
+    # ferrogrpc before 2026-12-04 cut F=2 after "0.bias" (element 56); now
+    # inside "2.weight" (element 77). With no exchange in flight the outer
+    # state (elementwise) is cut again; with one in flight it is refused.
+    old_layout = [NAMES[:2], NAMES[2:]]
+
+    def run(rank: int) -> None:
+        m = make_model(rank)
+        opt = make_inner(m)
+        diloco = fg.DiLoCo(m, pair[rank], opt, sync_every=4, fragments=2)
+        for t in range(6):
+            inner_step(diloco, opt, rank, t)
+            diloco.step()
+        diloco.sync()
+        state = copy.deepcopy(diloco.state_dict())
+        assert state["outer"]["pending"] is None
+        flat = {k: torch.cat(state["outer"][k]) for k in ("global", "momentum")}
+        assert flat["momentum"].abs().sum() > 0  # (outer steps ran)
+        old = copy.deepcopy(state)
+        old["outer"]["fragments"] = old_layout
+        for k in ("global", "momentum"):
+            old["outer"][k] = list(flat[k].split([56, 99]))
+        m2 = make_model(rank + 5)
+        fresh = fg.DiLoCo(m2, pair[rank], make_inner(m2), sync_every=4, fragments=2)
+        fresh.load_state_dict(old)
+        loaded = fresh.state_dict()["outer"]
+        assert loaded["fragments"] == LAYOUTS[2]
+        for k in ("global", "momentum"):
+            assert [t.numel() for t in loaded[k]] == [77, 78]
+            assert torch.equal(torch.cat(loaded[k]), flat[k]), k
+        assert fresh.inner_steps == 6
+        # An exchange in flight saved with the old cut is refused.
+        old["outer"]["pending"] = {"fragment": 0, "started": 4}
+        with pytest.raises(fg.ConfigError, match="fragments"):
+            fresh.load_state_dict(old)
+
+    on_ranks(run, 2)
+
+
+def test_fragment_starts_are_the_nearest_element_boundaries_by_bytes() -> None:
+    from ferrogrpc.wrappers.diloco_fragments import fragment_starts
+
+    def brute(numels: list[int], sizes: list[int], parts: int) -> list[int]:
+        # Every element boundary's byte offset; the nearest to each target,
+        # the earlier on a tie, then kept so that no fragment is empty.
+        offsets = [0]
+        for n, s in zip(numels, sizes, strict=True):
+            offsets += [offsets[-1] + s * (j + 1) for j in range(n)]
+        total = len(offsets) - 1
+        starts = [0]
+        for k in range(1, parts):
+            target = offsets[-1] * k / parts
+            best = min(range(total + 1), key=lambda i: (abs(offsets[i] - target), i))
+            starts.append(min(max(best, starts[-1] + 1), total - (parts - k)))
+        return starts
+
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        count = int(torch.randint(1, 6, (1,), generator=gen))
+        numels = torch.randint(0, 9, (count,), generator=gen).tolist()
+        if sum(numels) == 0:
+            numels[0] = 1
+        sizes = [[2, 4, 8][int(i)] for i in torch.randint(0, 3, (count,), generator=gen)]
+        for parts in {1, 2, 3, sum(numels)}:
+            if parts <= sum(numels):
+                assert fragment_starts(numels, sizes, parts) == brute(numels, sizes, parts), (
+                    numels,
+                    sizes,
+                    parts,
+                )
+
+
+@pytest.mark.timeout(30)
+def test_a_parameter_with_no_elements_is_in_a_fragment() -> None:
+    from ferrogrpc.wrappers.diloco_fragments import make_fragment
+
+    a, empty, b = (nn.Parameter(torch.ones(n)) for n in (3, 0, 3))
+    named = [("a", a), ("empty", empty), ("b", b)]
+    first, second = make_fragment(named, 0, 3), make_fragment(named, 3, 6)
+    assert [p.label() for p in first.pieces] == ["a"]
+    assert [p.label() for p in second.pieces] == ["empty", "b"]
+    trailing = [("a", a), ("empty", empty)]
+    assert [p.label() for p in make_fragment(trailing, 2, 3).pieces] == ["a[2:3]", "empty"]
+
+
 # ----------------------------------------------------------------------- 5
 
 
@@ -652,12 +740,12 @@ def test_a_failed_exchange_raises_from_step_and_changes_nothing(pair: list[fg.Ba
 
 @pytest.mark.timeout(30)
 def test_a_cut_inside_a_non_contiguous_parameter_reads_and_writes_its_own_elements() -> None:
-    from ferrogrpc.wrappers.diloco import _make_fragment
+    from ferrogrpc.wrappers.diloco_fragments import make_fragment
 
     weight = nn.Parameter(torch.arange(12.0).view(3, 4).t())  # (4, 3), not contiguous
     bias = nn.Parameter(torch.arange(100.0, 103.0))
     named = [("w", weight), ("b", bias)]
-    first, second = _make_fragment(named, 0, 7), _make_fragment(named, 7, 15)
+    first, second = make_fragment(named, 0, 7), make_fragment(named, 7, 15)
     assert [p.label() for p in first.pieces] == ["w[0:7]"]
     assert [p.label() for p in second.pieces] == ["w[7:12]", "b"]
     flat = weight.detach().reshape(-1)

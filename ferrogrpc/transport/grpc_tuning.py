@@ -18,13 +18,16 @@ grpc core reads its experiments once, from ``GRPC_EXPERIMENTS``, while the
 (import_hook.py): when ``grpc`` is first imported, in this process, its
 loading runs with ``GRPC_EXPERIMENTS`` set (with ``os.putenv`` only) and the
 variable is restored at once after, so child processes do not inherit it
-and ``os.environ`` never shows it. What is applied:
+(bar one another thread starts in those 0.1 s) and ``os.environ`` never
+shows it. The experiments then hold for every gRPC channel and server of
+the process, a user's own too. What is applied:
 
-- nothing with ``FERROGRPC_GRPC_TUNING=0``;
+- nothing with ``FERROGRPC_GRPC_TUNING=0`` (or a value that is neither
+  on nor off);
 - nothing when ``grpc`` was imported before ferrogrpc (import ferrogrpc
   first, or set ``GRPC_EXPERIMENTS`` yourself);
-- nothing with a grpcio outside :data:`KNOWN_IN` (grpc core logs an error
-  for an experiment name it does not know);
+- nothing with a grpcio outside :data:`KNOWN_IN`, the releases measured
+  (grpc core logs an error for an experiment name it does not know);
 - a ``GRPC_EXPERIMENTS`` of your own is kept, ours appended, unless it
   names either experiment (enabled or, with ``-``, disabled): then it is
   left exactly as it is.
@@ -35,7 +38,6 @@ and ``os.environ`` never shows it. What is applied:
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import os
 from collections.abc import Iterator, Mapping
 from typing import Final
@@ -47,10 +49,12 @@ EXPERIMENTS_ENV: Final = "GRPC_EXPERIMENTS"
 # runs at ``import ferrogrpc``.
 TUNING_ENV: Final = "FERROGRPC_GRPC_TUNING"
 EXPERIMENTS: Final = ("tcp_frame_size_tuning", "tcp_rcv_lowat")
-# The grpcio releases (major, minor) that have both experiments: from the
-# floor in pyproject.toml, which was measured, up to the next major release.
-KNOWN_IN: Final = ((1, 85), (2, 0))
+# The grpcio releases (major, minor) measured with both experiments, from
+# the floor in pyproject.toml: grpc core drops an experiment's name once it
+# graduates, and then logs "Unknown experiment" for it at every start.
+KNOWN_IN: Final = ((1, 85), (1, 86))
 _OFF: Final = ("0", "false", "no", "off")
+_ON: Final = ("", "1", "true", "yes", "on")
 
 _state = "waiting: grpc has not been imported yet"
 
@@ -66,8 +70,10 @@ def experiments_value(user: str | None) -> str | None:
 
 def grpcio_release() -> tuple[int, int] | None:
     """The installed grpcio's (major, minor), without importing it."""
+    import importlib.metadata  # (here: 50 ms, only as grpc loads)
+
     try:
-        parts = importlib.metadata.version("grpcio").split(".")
+        parts = str(importlib.metadata.version("grpcio")).split(".")
         return int(parts[0]), int(parts[1])
     except (importlib.metadata.PackageNotFoundError, IndexError, ValueError):
         return None
@@ -75,14 +81,20 @@ def grpcio_release() -> tuple[int, int] | None:
 
 def _decide(environ: Mapping[str, str]) -> tuple[str | None, str]:
     """The value to load grpc with (None: none), and the state to report."""
-    if environ.get(TUNING_ENV, "").strip().lower() in _OFF:
+    setting = environ.get(TUNING_ENV, "").strip().lower()
+    if setting in _OFF:
         return None, f"off: {TUNING_ENV}={environ[TUNING_ENV]}"
+    if setting not in _ON:
+        return None, (
+            f"not applied: {TUNING_ENV}={environ[TUNING_ENV]!r} is neither on (1) nor off (0)"
+        )
     release = grpcio_release()
     low, high = KNOWN_IN
     if release is None or not low <= release < high:
         return None, (
-            f"not applied: grpcio {release} is outside the releases known to have "
-            f"{', '.join(EXPERIMENTS)} ({low} to before {high})"
+            f"not applied: grpcio {release} is not a release measured with "
+            f"{', '.join(EXPERIMENTS)} ({low} up to {high}, not included); set "
+            f"{EXPERIMENTS_ENV} yourself to try them"
         )
     user = environ.get(EXPERIMENTS_ENV)
     value = experiments_value(user)
@@ -94,14 +106,20 @@ def _decide(environ: Mapping[str, str]) -> tuple[str | None, str]:
 @contextlib.contextmanager
 def _while_grpc_loads() -> Iterator[None]:
     global _state
-    value, _state = _decide(os.environ)
+    try:
+        value, said = _decide(os.environ)
+    except Exception as exc:  # never the reason grpc does not import
+        value, said = None, f"not applied: {exc!r}"
     if value is None:
+        _state = said
         yield
         return
     user = os.environ.get(EXPERIMENTS_ENV)
     os.putenv(EXPERIMENTS_ENV, value)
+    _state = "failed: grpc did not load"
     try:
         yield
+        _state = said
     finally:
         if user is None:
             os.unsetenv(EXPERIMENTS_ENV)
@@ -113,7 +131,10 @@ def tune_when_grpc_loads() -> None:
     """Arm the hook (at ``import ferrogrpc``); see the Note above."""
     global _state
     if not around_first_import("grpc", _while_grpc_loads) and _state.startswith("waiting"):
-        _state = "not applied: grpc was imported before ferrogrpc"
+        user = os.environ.get(EXPERIMENTS_ENV)
+        _state = "not applied: grpc was imported before ferrogrpc" + (
+            f" (it loaded with your {EXPERIMENTS_ENV}={user})" if user is not None else ""
+        )
 
 
 def state() -> str:

@@ -17,6 +17,13 @@ from ..errors import ConfigError
 from ..ops import SUPPORTED_DTYPES
 from ..runtime.backend import Backend
 from ..runtime.work import Work
+from .diloco_fragments import (
+    fragment_starting,
+    fragment_starts,
+    make_fragment,
+    parameters_in,
+    sync_delay,
+)
 from .fingerprint import broadcast_in_place, check_same_model, unflatten_into
 
 COMPRESSION: dict[str | None, torch.dtype | None] = {
@@ -25,108 +32,6 @@ COMPRESSION: dict[str | None, torch.dtype | None] = {
     "int8": torch.int8,
 }
 PARAMETER_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
-# ------------------------------------------------------------- the pure part
-
-
-def fragment_starts(numels: Sequence[int], itemsizes: Sequence[int], parts: int) -> list[int]:
-    """Where each of ``parts`` contiguous, non-empty fragments starts, as an
-    index into the trainable parameters' elements laid end to end (in
-    order; ``numels`` and ``itemsizes`` per parameter): cut ``k`` falls at
-    the element boundary nearest ``k / parts`` of the total bytes (the
-    earlier on a tie), inside a parameter where that is nearest, kept far
-    enough from the ends that every fragment holds at least one element."""
-    total = sum(numels)
-    total_bytes = sum(n * s for n, s in zip(numels, itemsizes, strict=True))
-    starts = [0]
-    for k in range(1, parts):
-        target = total_bytes * k / parts
-        first = at = 0  # the parameter's first element and first byte
-        cut = total
-        for n, s in zip(numels, itemsizes, strict=True):
-            if at + n * s >= target:
-                into = (target - at) / s
-                whole = math.floor(into)
-                cut = first + (whole if into - whole <= 0.5 else whole + 1)
-                break
-            first, at = first + n, at + n * s
-        starts.append(min(max(cut, starts[-1] + 1), total - (parts - k)))
-    return starts
-
-
-def sync_offset(fragment: int, sync_every: int, fragments: int) -> int:
-    """Fragment ``fragment`` starts its exchange after inner step ``t``
-    (``t >= 1``) when ``t % sync_every == sync_offset(...)``."""
-    return fragment * sync_every // fragments
-
-
-def sync_delay(sync_every: int, fragments: int) -> int:
-    """How many inner steps after its start an exchange is applied: 0 (at
-    once, blocking) with one fragment, ``sync_every // fragments`` with more."""
-    return 0 if fragments == 1 else sync_every // fragments
-
-
-def fragment_starting(step: int, sync_every: int, fragments: int) -> int | None:
-    """The fragment whose exchange starts after inner step ``step``, if any
-    (the offsets are distinct when ``fragments <= sync_every``)."""
-    if step < 1:
-        return None
-    for f in range(fragments):
-        if (step - sync_offset(f, sync_every, fragments)) % sync_every == 0:
-            return f
-    return None
-
-
-# ------------------------------------------------------------------- state
-
-
-@dataclasses.dataclass
-class _Piece:
-    """Elements ``lo:hi`` of a parameter (flat, in its own order), at
-    ``offset`` in its fragment's flat tensors."""
-
-    name: str
-    param: nn.Parameter
-    lo: int
-    hi: int
-    offset: int
-
-    def label(self) -> str:
-        """The name, with the element range when it is not the whole."""
-        whole = self.lo == 0 and self.hi == self.param.numel()
-        return self.name if whole else f"{self.name}[{self.lo}:{self.hi}]"
-
-
-@dataclasses.dataclass
-class _Fragment:
-    """Contiguous parameter elements that sync together, with their outer
-    state: the global parameters and the outer momentum, each one flat
-    tensor."""
-
-    pieces: list[_Piece]
-    global_params: torch.Tensor
-    momentum: torch.Tensor
-
-    def flatten(self) -> torch.Tensor:
-        """This rank's current parameters, flat, in the global dtype."""
-        out = torch.empty_like(self.global_params)
-        for piece in self.pieces:
-            end = piece.offset + piece.hi - piece.lo
-            out[piece.offset : end].copy_(piece.param.detach().reshape(-1)[piece.lo : piece.hi])
-        return out
-
-    def write(self, flat: torch.Tensor) -> None:
-        with torch.no_grad():
-            for piece in self.pieces:
-                source = flat[piece.offset : piece.offset + piece.hi - piece.lo]
-                p = piece.param.detach()
-                if p.is_contiguous():
-                    p.view(-1)[piece.lo : piece.hi].copy_(source)
-                else:  # (reshape would copy: write the whole through a copy)
-                    whole = p.reshape(-1).clone()
-                    whole[piece.lo : piece.hi].copy_(source)
-                    p.copy_(whole.view(p.shape))
 
 
 @dataclasses.dataclass
@@ -358,7 +263,7 @@ class DiLoCo:
             [p.numel() for _, p in trainable], [p.element_size() for _, p in trainable], fragments
         )
         self._fragments = [
-            _make_fragment(trainable, lo, hi)
+            make_fragment(trainable, lo, hi)
             for lo, hi in zip(starts, [*starts[1:], elements], strict=True)
         ]
         self._buffers = [b for b in model.buffers() if b.is_floating_point()]
@@ -550,7 +455,9 @@ class DiLoCo:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Load what :meth:`state_dict` returned, from a DiLoCo with the same
-        model, ``sync_every`` and fragments (ConfigError otherwise). Local,
+        model, ``sync_every`` and fragments (ConfigError otherwise; the same
+        number of fragments cut elsewhere, as an older ferrogrpc cut them,
+        is cut again when no exchange was in flight). Local,
         no collective: every rank loads its own rank's state. An exchange
         in flight on this object is waited for and discarded."""
         backend = self._backend
@@ -562,6 +469,25 @@ class DiLoCo:
             global_params, momentum = list(outer["global"]), list(outer["momentum"])
         except (KeyError, TypeError) as exc:
             raise _refused(backend, f"DiLoCo: not a DiLoCo state dict: {exc!r}") from exc
+        if (
+            layout != self.fragment_layout()
+            and pending is None
+            and isinstance(layout, list)
+            and len(layout) == self.fragments
+            and parameters_in(layout) == parameters_in(self.fragment_layout())
+        ):
+            # The same parameters and F, cut elsewhere (an older ferrogrpc
+            # cut only at parameter boundaries): the outer state is
+            # elementwise, so it is cut again here.
+            sizes = [f.global_params.numel() for f in self._fragments]
+            try:
+                global_params = list(
+                    torch.split(torch.cat([t.reshape(-1) for t in global_params]), sizes)
+                )
+                momentum = list(torch.split(torch.cat([t.reshape(-1) for t in momentum]), sizes))
+            except (RuntimeError, TypeError) as exc:
+                raise _refused(backend, f"DiLoCo: outer state of the wrong size: {exc}") from exc
+            layout = self.fragment_layout()
         if sync_every != self.sync_every or layout != self.fragment_layout():
             raise _refused(
                 backend,
@@ -649,29 +575,6 @@ def _check_tensors(
             raise _refused(
                 backend, f"DiLoCo: {name} has dtype {t.dtype}, which the backend cannot broadcast"
             )
-
-
-def _make_fragment(named: list[tuple[str, nn.Parameter]], start: int, end: int) -> _Fragment:
-    """The fragment of elements ``start:end`` of the trainable parameters
-    laid end to end."""
-    pieces: list[_Piece] = []
-    dtype = torch.float32
-    first = numel = 0
-    for name, p in named:
-        lo, hi = max(start - first, 0), min(end - first, p.numel())
-        if lo < hi:
-            pieces.append(_Piece(name, p, lo, hi, numel))
-            numel += hi - lo
-            dtype = torch.promote_types(dtype, p.dtype)
-        first += p.numel()
-    device = pieces[0].param.device
-    fragment = _Fragment(
-        pieces=pieces,
-        global_params=torch.empty(numel, dtype=dtype, device=device),
-        momentum=torch.zeros(numel, dtype=dtype, device=device),
-    )
-    fragment.global_params.copy_(fragment.flatten())
-    return fragment
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
