@@ -52,7 +52,7 @@ import time
 from typing import Any
 
 from client.common import checkout_env, collect, rotated
-from client.netlab import Link, network, tx_bytes
+from client.netlab import Link, network, recv_bytes, tx_bytes
 
 GLOO_PORT, FG_PORT = 29500, 29600
 RAW_TCP = "raw TCP, DiLoCo's bytes"
@@ -103,15 +103,9 @@ class _RawRing:
                 self._done.notify_all()
 
     def _drain(self) -> None:
-        sink = memoryview(bytearray(1 << 20))
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # (closed: the run is over)
             while True:
-                left = len(self._buffer)
-                while left:
-                    n = self._in.recv_into(sink, min(left, len(sink)))
-                    if not n:
-                        return
-                    left -= n
+                recv_bytes(self._in, len(self._buffer))
                 self._in.sendall(b"k")
 
     def kick(self) -> None:
@@ -231,12 +225,14 @@ def _lm_worker(args: argparse.Namespace) -> None:
         inner: Any
         wrapped: Any
         after_step: Any
+        # Waits for what is still in flight at the end of a turn (DiLoCo's
+        # exchange, the raw ring's block), or None.
+        settle: Any
         done: int = 0
         wall: float = 0.0
         cpu: float = 0.0
         blocked: float | None = 0.0
         sent: int = 0
-        raw: _RawRing | None = None
 
         def advance(self, steps: int) -> None:
             """Train ``steps`` more steps, timed; a DiLoCo exchange still in
@@ -256,12 +252,9 @@ def _lm_worker(args: argparse.Namespace) -> None:
                     self.blocked = None
                 else:
                     self.blocked += waited
-            if isinstance(self.wrapped, fg.DiLoCo) or self.raw is not None:
+            if self.settle is not None:
                 t = time.perf_counter()
-                if self.raw is not None:
-                    self.raw.wait()
-                else:
-                    self.wrapped.state_dict()  # waits for the exchange in flight
+                self.settle()
                 if self.blocked is not None:
                     self.blocked += time.perf_counter() - t
             self.wall += time.perf_counter() - start
@@ -288,24 +281,25 @@ def _lm_worker(args: argparse.Namespace) -> None:
             "same": same,
         }
 
-    # Each plan returns the model to call and what follows backward, which
+    # Each plan returns the model to call, what follows backward, which
     # returns the seconds it was blocked on the exchange (None: not
-    # separable, gloo DDP's all-reduces run inside backward).
-    def local(model: nn.Module, inner: Any) -> tuple[Any, Any]:
+    # separable, gloo DDP's all-reduces run inside backward), and what ends
+    # a turn (Run.settle).
+    def local(model: nn.Module, inner: Any) -> tuple[Any, Any, Any]:
         def after() -> float:
             inner.step()
             return 0.0
 
-        return model, after
+        return model, after, None
 
-    def gloo(model: nn.Module, inner: Any) -> tuple[Any, Any]:
+    def gloo(model: nn.Module, inner: Any) -> tuple[Any, Any, Any]:
         def after() -> None:
             inner.step()
 
-        return DistributedDataParallel(model), after
+        return DistributedDataParallel(model), after, None
 
     def ddp(compression: str | None) -> Any:
-        def build(model: nn.Module, inner: Any) -> tuple[Any, Any]:
+        def build(model: nn.Module, inner: Any) -> tuple[Any, Any, Any]:
             wrapped = fg.DDP(model, backend, compression=compression)
 
             def after() -> float:
@@ -315,11 +309,11 @@ def _lm_worker(args: argparse.Namespace) -> None:
                 inner.step()
                 return waited
 
-            return wrapped, after
+            return wrapped, after, None
 
         return build
 
-    def raw_tcp(model: nn.Module, inner: Any) -> tuple[Any, Any]:
+    def raw_tcp(model: nn.Module, inner: Any) -> tuple[Any, Any, Any]:
         """The model alone, while the bytes of DiLoCo with ``--fragments``
         cross the link at the same steps on a plain socket (_RawRing)."""
         width = {"fp32": 4, "bf16": 2, "int8": 1}[args.diloco_compression]
@@ -337,10 +331,10 @@ def _lm_worker(args: argparse.Namespace) -> None:
                 ring.kick()
             return 0.0
 
-        return model, after
+        return model, after, ring.wait
 
     def diloco(fragments: int, compression: str | None) -> Any:
-        def build(model: nn.Module, inner: Any) -> tuple[Any, Any]:
+        def build(model: nn.Module, inner: Any) -> tuple[Any, Any, Any]:
             d = fg.DiLoCo(
                 model,
                 backend,
@@ -358,7 +352,7 @@ def _lm_worker(args: argparse.Namespace) -> None:
                 d.step()
                 return time.perf_counter() - t
 
-            return d, after
+            return d, after, d.state_dict  # (waits for the exchange in flight)
 
         return build
 
@@ -381,8 +375,6 @@ def _lm_worker(args: argparse.Namespace) -> None:
         model = charlm.build()
         inner = torch.optim.AdamW(model.parameters(), lr=LM_LR)
         runs[name] = Run(model, inner, *plans[name](model, inner))
-        if name == RAW_TCP:
-            runs[name].raw = rings[-1]
     # The implementations take turns, a block of steps each, in an order
     # that rotates: the shared machine's slow and fast spells fall on all.
     # A turn ends a step before a multiple of the block (a multiple of H by

@@ -469,12 +469,13 @@ class DiLoCo:
             global_params, momentum = list(outer["global"]), list(outer["momentum"])
         except (KeyError, TypeError) as exc:
             raise _refused(backend, f"DiLoCo: not a DiLoCo state dict: {exc!r}") from exc
+        ours = self.fragment_layout()
         if (
-            layout != self.fragment_layout()
+            layout != ours
             and pending is None
             and isinstance(layout, list)
             and len(layout) == self.fragments
-            and parameters_in(layout) == parameters_in(self.fragment_layout())
+            and parameters_in(layout) == parameters_in(ours)
         ):
             # The same parameters and F, cut elsewhere (an older ferrogrpc
             # cut only at parameter boundaries): the outer state is
@@ -487,12 +488,12 @@ class DiLoCo:
                 momentum = list(torch.split(torch.cat([t.reshape(-1) for t in momentum]), sizes))
             except (RuntimeError, TypeError) as exc:
                 raise _refused(backend, f"DiLoCo: outer state of the wrong size: {exc}") from exc
-            layout = self.fragment_layout()
-        if sync_every != self.sync_every or layout != self.fragment_layout():
+            layout = ours
+        if sync_every != self.sync_every or layout != ours:
             raise _refused(
                 backend,
                 f"DiLoCo: the state dict is of sync_every={sync_every} with fragments {layout}; "
-                f"this one has sync_every={self.sync_every} with {self.fragment_layout()}",
+                f"this one has sync_every={self.sync_every} with {ours}",
             )
         for name, tensors in (("global", global_params), ("momentum", momentum)):
             for fragment, t in zip(self._fragments, tensors, strict=True):
