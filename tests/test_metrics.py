@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import socket
 import threading
 import time
@@ -168,13 +169,15 @@ async def test_a_failure_is_counted_by_kind_and_culprit() -> None:
 
 
 def _free_pair() -> int:
-    """A port P with P and P + 1 both free now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port >= 65535:
-            continue
+    """A port P with P and P + 1 both free now, below the kernel's ephemeral
+    range: a port found free by binding port 0 is an ephemeral one, which
+    any bind to port 0 (a gRPC server of this or another xdist worker) may
+    take before the metrics server binds it (seen once in a full run: the
+    scrape reached a gRPC server)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low - 1)
         with contextlib.suppress(OSError), socket.socket() as a, socket.socket() as b:
             a.bind(("127.0.0.1", port))
             b.bind(("127.0.0.1", port + 1))
