@@ -55,13 +55,16 @@ async def test_ring_collectives_reuse_their_lanes(monkeypatch: pytest.MonkeyPatc
     made = _count_lanes(monkeypatch)
     async with fg.testing.local_group(3, timeouts=FAST, direct=False) as peers:
         await _all_reduce_checked(peers, 0)
-        after_first = len(made)
-        assert after_first > 0
-        for step in range(1, 13):
+        assert made
+        for step in range(1, 40):
             await _all_reduce_checked(peers, step)
-        # Twelve more ring all-reduces, and not one more lane: each stream
-        # went on a lane the first one left idle.
-        assert len(made) == after_first, (after_first, len(made))
+        # Forty ring all-reduces, three streams each, and a dozen lanes:
+        # each stream went on a lane an earlier one left idle. A stream ends
+        # in the background (OutStream.end), so the next collective may
+        # start before its lane is idle again, and takes another; at most
+        # IDLE_LANES per rank and lane index are kept.
+        # (Three (rank, lane index) pairs: each rank's to its right.)
+        assert len(made) <= grpc_streams.IDLE_LANES * 3, len(made)
         assert not any(lane.dead for lane in made)
     # Closing waited for every lane's call to end (its reads answered): an
     # operation left pending is delivered after the loop closes, to another

@@ -4,6 +4,8 @@ plans a descriptor implies on a rank."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..ops import DTYPE_TO_WIRE, OP_TO_WIRE, ReduceOp, kind_name, wire_dtype_name, wire_op_name
@@ -28,6 +30,9 @@ _FIELDS = (
 )
 
 _REDUCING = (pb.ALL_REDUCE, pb.REDUCE_SCATTER)
+
+# Collectives whose plans are kept (build_plans).
+PLANS_KEPT = 256
 
 
 def make_descriptor(
@@ -84,19 +89,28 @@ def describe_mismatch(mine: pb.Descriptor, theirs: pb.Descriptor, me: int, them:
     return None
 
 
-def build_plans(desc: pb.Descriptor, rank: int, world: int) -> list[LanePlan]:
-    """The per-lane plans of the collective ``desc`` on ``rank``."""
-    lanes = desc.lanes
-    layout_world = 1 if desc.kind == pb.BROADCAST else world
-    layout = schedule.Layout.build(desc.numel, layout_world, lanes, desc.chunk_elems)
-    if desc.kind == pb.BROADCAST:
-        return [
-            schedule.broadcast_plan(layout, lane, rank, desc.root, world) for lane in range(lanes)
-        ]
-    if desc.kind in (pb.ALL_REDUCE, pb.BARRIER):
+def build_plans(desc: pb.Descriptor, rank: int, world: int) -> tuple[LanePlan, ...]:
+    """The per-lane plans of the collective ``desc`` on ``rank``. They are
+    immutable and cached: a collective called again on the same shapes
+    reuses its plans (building one costs 0.1-0.4 ms at 64 chunks, at the
+    start of every ring collective)."""
+    return _plans(desc.kind, desc.numel, desc.lanes, desc.chunk_elems, desc.root, rank, world)
+
+
+@functools.lru_cache(maxsize=PLANS_KEPT)
+def _plans(
+    kind: int, numel: int, lanes: int, chunk_elems: int, root: int, rank: int, world: int
+) -> tuple[LanePlan, ...]:
+    layout_world = 1 if kind == pb.BROADCAST else world
+    layout = schedule.Layout.build(numel, layout_world, lanes, chunk_elems)
+    if kind == pb.BROADCAST:
+        return tuple(
+            schedule.broadcast_plan(layout, lane, rank, root, world) for lane in range(lanes)
+        )
+    if kind in (pb.ALL_REDUCE, pb.BARRIER):
         steps = schedule.all_reduce_steps(rank, world)
-    elif desc.kind == pb.REDUCE_SCATTER:
+    elif kind == pb.REDUCE_SCATTER:
         steps = schedule.reduce_scatter_steps(rank, world)
     else:
         steps = schedule.all_gather_steps(rank, world)
-    return [schedule.ring_plan(layout, lane, steps) for lane in range(lanes)]
+    return tuple(schedule.ring_plan(layout, lane, steps) for lane in range(lanes))

@@ -47,15 +47,18 @@ ABORT_WRITE_S = 0.5
 # A ring collective succeeds on a rank only if every rank received all its
 # data: no rank may return a result while another fails for want of it (a
 # corrupted last chunk, a sender that died after its last send). After its
-# last chunk each rank sends end markers 1..M (M = world - 2, at least 1)
-# down its stream: marker 1 once it has received and checked everything,
-# marker k once it has also read marker k - 1 from its left. So marker M
-# from the left says the M ranks upstream have everything; a stream's clean
-# close (the right neighbour's handler returned) says the right neighbour
-# has read its markers, so has everything too; with this rank, that is the
-# whole ring. The markers chain only leftwards, so they cannot deadlock. The
-# cost is M - 1 tiny messages' hops on top of the last chunk's, one per rank
-# at a time (none in a world of 2 or 3); BENCHMARKS.md, "End markers".
+# last chunk each rank sends end markers 1..M (M = world - 1) down its
+# stream: marker 1 once it has received and checked everything, marker k
+# once it has also read marker k - 1 from its left. So marker k from the
+# left says the k ranks upstream have everything, and marker M says it of
+# every other rank: a rank finishes once it has read marker M and written
+# its own. The markers chain only leftwards, so they cannot deadlock. The
+# stream's end then goes in the background (OutStream.end): nothing waits
+# for the right neighbour's answer, a round trip that used to end every
+# ring collective (one on a long link costs its whole RTT: 50 ms a
+# collective at 50 ms). The cost is M - 1 tiny messages' hops on top of the
+# last chunk's, one per rank at a time (none in a world of 2);
+# BENCHMARKS.md, "End markers".
 
 
 class LaneRunner:
@@ -89,7 +92,7 @@ class LaneRunner:
         self.received = Counter()
         # End markers read from the left neighbour (see _send and _consume).
         self.ends = Counter()
-        self.ends_needed = max(1, self.world - 2)
+        self.ends_needed = max(1, self.world - 1)
         # Messages ready to forward, by receive index: a received chunk that is
         # copied travels on unchanged (its header names where it came from
         # and carries its verified checksum); a partial sum is reduced
@@ -203,12 +206,10 @@ class LaneRunner:
         # once marker k - 1 came from the left. The markers, not the
         # transport's end of stream, are the proof: gRPC can report a
         # cancelled stream to its reader as a clean end. A rank finishes
-        # only after reading world - 2 markers (the ranks upstream have
-        # everything) and once its right neighbour has read all of its own
-        # (that one has everything): so it never finishes a collective any
-        # rank failed for want of data. (For a broadcast, the root's call
-        # returns only when the last rank has the data.) See [Note: end
-        # markers].
+        # only after reading world - 1 markers (every other rank has
+        # everything): so it never finishes a collective any rank failed for
+        # want of data. (For a broadcast, the root's call returns only when
+        # the last rank has the data.) See [Note: end markers].
         if self.received.value < len(self.plan.recvs):
             await self.received.wait_for(len(self.plan.recvs))
         end = self._header()
@@ -217,10 +218,8 @@ class LaneRunner:
                 await self.ends.wait_for(k - 1)
             end.end = k
             await self._write(stream, wire.encode(end), len(self.plan.sends))
-        await self.watch.wait(
-            "send", self.right, "the end of the stream to be read by", stream.close()
-        )
         self.out = None
+        stream.end()
 
     def _narrowed_message(self, header: pb.ChunkHeader, data: torch.Tensor, round_: bool) -> bytes:
         """The message carrying ``data`` (in the buffer's dtype) in the wire

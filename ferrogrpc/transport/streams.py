@@ -20,6 +20,11 @@ from typing import Protocol
 
 from ..errors import Evidence, PeerError
 
+# How long a transport's close waits for the streams still ending in the
+# background (OutStream.end) to land: a receiver that is gone or stopped
+# costs this, once.
+ENDING_GRACE_S = 0.25
+
 SendHook = Callable[[int, bytes], bytes]
 """``hook(dst, message)`` may rewrite outgoing messages (fault injection)."""
 
@@ -35,6 +40,15 @@ class OutStream(Protocol):
 
     async def close(self) -> None:
         """Finish the stream and wait until the receiver has consumed it."""
+        ...
+
+    def end(self) -> None:
+        """Finish the stream in the background: its end goes out, and the
+        receiver's answer is awaited, after this returns; a failure there
+        only drops the stream (and its connection's reuse). For a stream
+        whose receiver is known by other means to have what it needs (a
+        ring's end markers). The transport's close gives the ends still
+        pending a short grace to land."""
         ...
 
     def cancel(self) -> None: ...
@@ -92,9 +106,15 @@ class _MemoryInStream:
 
 class _MemoryOutStream:
     def __init__(
-        self, target: MemoryTransport, window: int, dst: int, hook: SendHook | None
+        self,
+        target: MemoryTransport,
+        window: int,
+        dst: int,
+        hook: SendHook | None,
+        ending: set[asyncio.Task[None]],
     ) -> None:
         self._hook = hook
+        self._ending = ending
         self._target = target
         self._window = window
         self._dst = dst
@@ -133,6 +153,17 @@ class _MemoryOutStream:
             await self._stream.queue.put(None)
         await self._task
 
+    def end(self) -> None:
+        task = asyncio.ensure_future(self._end_quietly())
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
+
+    async def _end_quietly(self) -> None:
+        try:
+            await self.close()
+        except Exception:
+            self.cancel()
+
     def cancel(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -150,6 +181,8 @@ class MemoryTransport(Transport):
         self.send_hook: SendHook | None = None
         self.handler: StreamHandler | None = None
         self.closed = False
+        # Streams ending in the background (OutStream.end).
+        self._ending: set[asyncio.Task[None]] = set()
         # Tests set this to stand for a stopped process: pings go unanswered.
         self.frozen = False
         self.addresses = []
@@ -172,7 +205,7 @@ class MemoryTransport(Transport):
         return target
 
     async def open(self, dst: int, lane: int) -> OutStream:
-        return _MemoryOutStream(self._target(dst), self._window, dst, self.send_hook)
+        return _MemoryOutStream(self._target(dst), self._window, dst, self.send_hook, self._ending)
 
     async def send_abort(self, dst: int, message: bytes, timeout: float) -> None:
         target = self._target(dst)
@@ -192,6 +225,10 @@ class MemoryTransport(Transport):
         return time.time()  # every rank in this process reads the same clock
 
     async def close(self) -> None:
+        if self._ending:
+            await asyncio.wait(self._ending, timeout=ENDING_GRACE_S)
+            for task in self._ending:
+                task.cancel()
         self.closed = True
         for address, transport in list(self._registry.items()):
             if transport is self:
