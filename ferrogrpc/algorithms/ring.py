@@ -168,16 +168,52 @@ class LaneRunner:
         ctx = self.ctx
         stream = await ctx.transport.open(self.right, self.lane)
         self.out = stream
+        opening = self._header()
+        opening.descriptor.CopyFrom(self.job.descriptor)
+        opening.nonce = ctx.nonce
+        # The descriptor goes first, on its own (intake.py). gRPC reports a
+        # write done only once its own threads have passed it back (0.3-4 ms
+        # on this 2-core machine, the link idle meanwhile), and takes one
+        # write at a time: so the first chunk is framed while the
+        # descriptor's write completes, not after.
+        described = asyncio.ensure_future(self._write(stream, wire.encode(opening), 0))
+        try:
+            await asyncio.sleep(0)  # (the descriptor's write starts)
+            await self._send_chunks(stream, described)
+            await described
+        finally:
+            if not described.done():
+                described.cancel()
+            elif not described.cancelled():
+                described.exception()  # (retrieved: raised above, or a failure's aftermath)
+        # End the stream with end markers, the first only once everything
+        # this rank receives has arrived and passed its checks, and marker k
+        # once marker k - 1 came from the left. The markers, not the
+        # transport's end of stream, are the proof: gRPC can report a
+        # cancelled stream to its reader as a clean end. A rank finishes
+        # only after reading world - 1 markers (every other rank has
+        # everything): so it never finishes a collective any rank failed for
+        # want of data. (For a broadcast, the root's call returns only when
+        # the last rank has the data.) See [Note: end markers].
+        if self.received.value < len(self.plan.recvs):
+            await self.received.wait_for(len(self.plan.recvs))
+        end = self._header()
+        for k in range(1, self.ends_needed + 1):
+            if self.ends.value < k - 1:
+                await self.ends.wait_for(k - 1)
+            end.end = k
+            await self._write(stream, wire.encode(end), len(self.plan.sends))
+        self.out = None
+        stream.end()
+
+    async def _send_chunks(self, stream: OutStream, described: asyncio.Future[None]) -> None:
+        """Send the plan's chunks, the first once ``described`` (the
+        descriptor's write) is done."""
         header = self._header()
-        header.descriptor.CopyFrom(self.job.descriptor)
-        header.nonce = ctx.nonce
-        await self._write(stream, wire.encode(header), 0)
-        header.ClearField("nonce")
-        header.ClearField("descriptor")
         flat = self.job.buffer
-        checksum = ctx.checksum
+        checksum = self.ctx.checksum
         stage = self.job.stage
-        stats = ctx.stats
+        stats = self.ctx.stats
         for item in self.plan.sends:
             if item.after > self.received.value:
                 await self.received.wait_for(item.after)
@@ -199,27 +235,10 @@ class LaneRunner:
                         header.checksum = checksum(payload)
                         header.has_checksum = True
                     message = wire.encode(header, payload)
+            if not described.done():
+                await described
             await self._write(stream, message, item.step)
             stats.sent(self.right, (item.hi - item.lo) * self.wire_itemsize)
-        # End the stream with end markers, the first only once everything
-        # this rank receives has arrived and passed its checks, and marker k
-        # once marker k - 1 came from the left. The markers, not the
-        # transport's end of stream, are the proof: gRPC can report a
-        # cancelled stream to its reader as a clean end. A rank finishes
-        # only after reading world - 1 markers (every other rank has
-        # everything): so it never finishes a collective any rank failed for
-        # want of data. (For a broadcast, the root's call returns only when
-        # the last rank has the data.) See [Note: end markers].
-        if self.received.value < len(self.plan.recvs):
-            await self.received.wait_for(len(self.plan.recvs))
-        end = self._header()
-        for k in range(1, self.ends_needed + 1):
-            if self.ends.value < k - 1:
-                await self.ends.wait_for(k - 1)
-            end.end = k
-            await self._write(stream, wire.encode(end), len(self.plan.sends))
-        self.out = None
-        stream.end()
 
     def _narrowed_message(self, header: pb.ChunkHeader, data: torch.Tensor, round_: bool) -> bytes:
         """The message carrying ``data`` (in the buffer's dtype) in the wire
