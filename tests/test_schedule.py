@@ -144,17 +144,20 @@ def test_lane_count() -> None:
     assert schedule.lane_count(64 << 20, 4, 1 << 20) == 4
 
 
-def test_link_chunks_give_a_segment_four_chunks_but_none_under_1_mib() -> None:
+def test_link_chunks_give_a_segment_four_chunks_but_none_under_256_kib() -> None:
     # [Note: chunks on a link]: 16 MiB at world 4 has 4 MiB segments: the
     # default 4 MiB chunk becomes 1 MiB; 64 MiB (16 MiB segments) keeps 4 MiB;
-    # small collectives never go under 1 MiB; world 2's 1 MiB never changes.
+    # 4 MiB at world 4 (1 MiB segments) gets 256 KiB chunks, and nothing
+    # goes under 256 KiB; world 2's 1 MiB stays from 8 MiB up.
     mib = 1 << 20
     assert schedule.link_chunk_bytes(4 * mib, 16 * mib, 4) == 1 * mib
     assert schedule.link_chunk_bytes(4 * mib, 32 * mib, 4) == 2 * mib
     assert schedule.link_chunk_bytes(4 * mib, 64 * mib, 4) == 4 * mib
-    assert schedule.link_chunk_bytes(4 * mib, 1 * mib, 4) == 1 * mib
+    assert schedule.link_chunk_bytes(4 * mib, 4 * mib, 4) == 256 << 10
+    assert schedule.link_chunk_bytes(4 * mib, 1 * mib, 4) == 256 << 10
     assert schedule.link_chunk_bytes(1 * mib, 64 * mib, 2) == 1 * mib
-    assert schedule.link_chunk_bytes(1 * mib, 2 * mib, 2) == 1 * mib
+    assert schedule.link_chunk_bytes(1 * mib, 8 * mib, 2) == 1 * mib
+    assert schedule.link_chunk_bytes(1 * mib, 2 * mib, 2) == 256 << 10
 
 
 def test_only_a_group_across_hosts_cuts_chunks_for_the_link() -> None:
@@ -166,9 +169,24 @@ def test_only_a_group_across_hosts_cuts_chunks_for_the_link() -> None:
             pb.ALL_REDUCE, buf, ReduceOp.SUM, 0, 4, (4 << 20, 1), 4 << 20, None, None, link
         )
         assert d.chunk_elems * 4 == chunk, (link, d.chunk_elems)
-    # In bfloat16 on the wire the segment is half the bytes: 512 KiB chunks
-    # would be under the floor, so 1 MiB.
+    # In bfloat16 on the wire the segment is half the bytes: 512 KiB chunks,
+    # each of 256K elements.
     d = make_descriptor(
         pb.ALL_REDUCE, buf, ReduceOp.SUM, 0, 4, (4 << 20, 1), 4 << 20, None, torch.bfloat16, True
     )
-    assert d.chunk_elems * 2 == 1 << 20
+    assert d.chunk_elems * 2 == 512 << 10
+    # A 2 MiB float32 all_reduce at world 4 (512 KiB segments) would get
+    # 128 KiB chunks: the floor makes them 256 KiB.
+    d = make_descriptor(
+        pb.ALL_REDUCE,
+        torch.empty(512 << 10),
+        ReduceOp.SUM,
+        0,
+        4,
+        (4 << 20, 1),
+        4 << 20,
+        None,
+        None,
+        True,
+    )
+    assert d.chunk_elems * 4 == 256 << 10
