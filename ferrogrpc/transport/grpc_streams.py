@@ -1,23 +1,23 @@
-"""The gRPC transport: chunks over grpc.aio, and the one place where grpc
-errors become ferrogrpc errors (:func:`translate`)."""
+"""The gRPC transport: chunks over grpc.aio, on long-lived lanes. Its
+errors become ferrogrpc errors in grpc_errors.py."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
 import grpc
 import grpc.aio
-from google.protobuf.message import DecodeError
 
-from ..errors import ERROR_CLASSES, ConfigError, Evidence, FerroGrpcError, PeerError, ProtocolError
+from ..errors import ConfigError, Evidence, FerroGrpcError, PeerError, ProtocolError
 from ..options import TLSConfig
 from ..v1 import collective_pb2 as pb
 from .auth import TOKEN_METADATA_KEY as TOKEN_METADATA_KEY  # clients' name for it
 from .auth import add_port, aio_channel, aio_server, interceptors, token_metadata
+from .grpc_errors import abort_with, detached, replied, reply_for, translate
 from .streams import ENDING_GRACE_S, InStream, OutStream, SendHook, StreamHandler, Transport
 
 SERVICE = "ferrogrpc.v1.Collective"
@@ -40,12 +40,6 @@ PING_METHOD = f"/{SERVICE}/Ping"
 # calls a death only once it has lasted a bound derived from the idle
 # timeout (watchdog.silence_bound).
 TCP_CONNECT_S = 0.5
-
-ERROR_KEY = "ferrogrpc-error"
-CULPRIT_KEY = "ferrogrpc-culprit"
-# Present, as "refused", when the error is another rank's refusal of the
-# collective (errors.Evidence.REFUSED).
-EVIDENCE_KEY = "ferrogrpc-evidence"
 
 # [Note: long-lived lanes] A collective's stream to a rank on a lane
 # (transport.open) travels on a long-lived Lane RPC to that rank, not an RPC
@@ -74,124 +68,13 @@ HEADER_ROOM = 64 << 10
 DEFAULT_MAX_MESSAGE = (4 << 20) + HEADER_ROOM
 
 
-def translate(exc: BaseException, dst: int, address: str, what: str) -> FerroGrpcError:
-    """Translate a failed RPC into the error a user sees."""
-    if isinstance(exc, grpc.aio.AioRpcError):
-        code = exc.code()
-        details = exc.details() or ""
-        trailing: dict[str, str] = {}
-        pairs = cast(Sequence[tuple[str, Any]], exc.trailing_metadata() or ())
-        for key, value in pairs:
-            trailing[str(key)] = str(value)
-        reported = ERROR_CLASSES.get(trailing.get(ERROR_KEY, ""))
-        if reported is not None and trailing.get(EVIDENCE_KEY) == Evidence.REFUSED.value:
-            # Some rank refused the collective; ``details`` names it.
-            culprit = int(trailing.get(CULPRIT_KEY, -1))
-            return reported(
-                details, peer=culprit if culprit >= 0 else None, evidence=Evidence.REFUSED
-            )
-        if reported is not None:
-            # The receiver failed the stream on purpose and said why.
-            culprit = int(trailing.get(CULPRIT_KEY, dst))
-            return reported(
-                f"rank {dst} reported: {details}",
-                peer=culprit if culprit >= 0 else None,
-                peer_address=address if culprit == dst else None,
-                evidence=Evidence.RELAYED,
-            )
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            return ProtocolError(details, peer=dst, peer_address=address)
-        if code == grpc.StatusCode.UNAUTHENTICATED:
-            return PeerError(
-                f"{what}: rank {dst} refused our credentials: {details}",
-                peer=dst,
-                peer_address=address,
-            )
-        if code == grpc.StatusCode.ABORTED:
-            return PeerError(details, peer=dst, peer_address=address)
-        evidence = Evidence.FOUND
-        if code == grpc.StatusCode.UNAVAILABLE:
-            evidence = Evidence.UNREACHABLE
-        elif code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED):
-            # grpc reports a write that raced with the receiver failing the
-            # stream as a local INTERNAL error, and hides the receiver's
-            # status; the receiver's abort message is then the better account
-            # of the cause.
-            evidence = Evidence.SYMPTOM
-        return PeerError(
-            f"{what}: rank {dst} at {address} failed ({code.name}: {details})",
-            peer=dst,
-            peer_address=address,
-            evidence=evidence,
-        )
-    return PeerError(f"{what}: rank {dst} at {address}: {exc!r}", peer=dst, peer_address=address)
-
-
 async def _serve_ping(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
     # The wall clock, for a traced rank's offset (GrpcTransport.wall_clock).
     return pb.Ping(wall_time=time.time()).SerializeToString()
 
 
-async def _abort_with(context: grpc.aio.ServicerContext[Any, Any], exc: FerroGrpcError) -> None:
-    """Fail an RPC with ``exc``: its class and culprit travel as trailing
-    metadata, so the sender raises the same kind of error about the same rank."""
-    code = (
-        grpc.StatusCode.INVALID_ARGUMENT
-        if isinstance(exc, ProtocolError)
-        else grpc.StatusCode.ABORTED
-    )
-    metadata = [
-        (ERROR_KEY, type(exc).__name__),
-        (CULPRIT_KEY, str(exc.peer if exc.peer is not None else -1)),
-    ]
-    details = str(exc)
-    if exc.evidence is Evidence.REFUSED:
-        metadata.append((EVIDENCE_KEY, Evidence.REFUSED.value))
-        details = exc.message
-    context.set_trailing_metadata(tuple(metadata))
-    await context.abort(code, details)
-
-
-def _detached(exc: FerroGrpcError) -> FerroGrpcError:
-    """``exc`` as a new error with the same class, text, culprit and
-    evidence, but no traceback, cause or context (nothing that references
-    the frames it was raised through)."""
-    message = exc.message if exc.evidence is Evidence.REFUSED else str(exc)
-    return type(exc)(message, peer=exc.peer, evidence=exc.evidence)
-
-
 def _identity(data: bytes) -> bytes:
     return data
-
-
-def _reply(exc: FerroGrpcError) -> bytes:
-    """A lane's answer failing a stream with ``exc`` (see _abort_with)."""
-    refused = exc.evidence is Evidence.REFUSED
-    return pb.Abort(
-        error=type(exc).__name__,
-        message=exc.message if refused else str(exc),
-        culprit=exc.peer if exc.peer is not None else -1,
-        refused=refused,
-    ).SerializeToString()
-
-
-def _replied(reply: bytes, dst: int, address: str) -> FerroGrpcError:
-    """The error a lane's answer ``reply`` fails a stream with, as
-    :func:`translate` makes it of a failed RPC's status."""
-    try:
-        abort = pb.Abort.FromString(reply)
-    except DecodeError:
-        return ProtocolError(f"rank {dst} answered a stream with garbage", peer=dst)
-    reported = ERROR_CLASSES.get(abort.error, PeerError)
-    culprit = abort.culprit if abort.culprit >= 0 else None
-    if abort.refused:
-        return reported(abort.message, peer=culprit, evidence=Evidence.REFUSED)
-    return reported(
-        f"rank {dst} reported: {abort.message}",
-        peer=culprit,
-        peer_address=address if culprit == dst else None,
-        evidence=Evidence.RELAYED,
-    )
 
 
 class _Lane:
@@ -340,7 +223,7 @@ class _LaneOutStream:
         else:
             if answer:
                 self.cancel()
-                return _replied(answer, self._dst, self._address)
+                return replied(answer, self._dst, self._address)
         self.cancel()
         if isinstance(cause, FerroGrpcError):
             return cause
@@ -500,7 +383,7 @@ class GrpcTransport(Transport):
             else:
                 refusal = await self._take(first, stream, origin)
             if refusal is not None:
-                await context.write(_reply(refusal))  # at once: the sender stops
+                await context.write(reply_for(refusal))  # at once: the sender stops
                 await stream.drain()
             else:
                 await stream.drain()
@@ -515,7 +398,7 @@ class GrpcTransport(Transport):
     ) -> bytes:
         refusal = await self._take_stream(request_iterator, context.peer())
         if refusal is not None:
-            await _abort_with(context, refusal)
+            await abort_with(context, refusal)
         return b""
 
     async def _take_stream(
@@ -539,7 +422,7 @@ class GrpcTransport(Transport):
         try:
             await self._handler.handle_stream(first, stream, origin)
         except FerroGrpcError as exc:
-            return _detached(exc)
+            return detached(exc)
         except (ValueError, TypeError, OverflowError, IndexError, KeyError) as exc:
             # Hostile or garbled input that slipped past the checks: a clean
             # error for the client, and this peer goes on serving.
@@ -553,9 +436,9 @@ class GrpcTransport(Transport):
         try:
             await self._handler.handle_abort(request)
         except FerroGrpcError as exc:
-            await _abort_with(context, exc)
+            await abort_with(context, exc)
         except (ValueError, TypeError, OverflowError, IndexError, KeyError) as exc:
-            await _abort_with(context, ProtocolError(f"malformed abort: {exc!r}"))
+            await abort_with(context, ProtocolError(f"malformed abort: {exc!r}"))
         return b""
 
     def _channel(self, dst: int, lane: int) -> grpc.aio.Channel:
