@@ -45,6 +45,39 @@ def bound(inputs: list[torch.Tensor], mean: bool) -> torch.Tensor:
     return per_block.repeat_interleave(BLOCK)[:numel]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rounding_stays_within_127_and_half_a_step_at_every_magnitude(dtype: torch.dtype) -> None:
+    # Each value lands within half an int8 step of its block's scale (the
+    # bound of [Note: int8 all-reduce]), at every magnitude the scale's
+    # float32 can hold: blocks at 10**-28 .. 10**36, each holding its
+    # largest magnitude exactly (of either sign, and the largest magnitude
+    # repeated), and a row of exact multiples.
+    gen = torch.Generator().manual_seed(3)
+    rows = 4096
+    exponents = torch.empty(rows, dtype=torch.float64).uniform_(-28, 36, generator=gen)
+    v = torch.randn(rows, BLOCK, generator=gen, dtype=torch.float64) * (10.0**exponents)[:, None]
+    largest = v.abs().amax(dim=1)
+    v[:, 0] = largest * torch.where(torch.rand(rows, generator=gen) < 0.5, -1.0, 1.0)
+    v[::7, 1:9] = largest[::7, None]
+    v[5] = torch.arange(-127, BLOCK - 127, dtype=torch.float64) * 0.37
+    v = v.to(dtype)
+    q = torch.empty(rows, BLOCK, dtype=torch.int8)
+    scales = torch.empty(rows, dtype=torch.float32)
+    error = torch.empty_like(v)
+    quantized.round_blocks(v, q, scales, error, torch.empty_like(v))
+    assert int(q.min()) >= -127 and int(q.max()) <= 127
+    step = scales.to(torch.float64)[:, None]
+    lost = (v.double() - q.double() * step).abs()
+    # Half a step, and the product v * (1 / scale)'s own rounding (at most
+    # 127 * 2**-23 of a step in float32); a block whose scale is below
+    # quantized._TINY goes as zeros.
+    sent = scales > quantized._TINY
+    assert bool((lost[sent] <= step[sent] * (0.5 + 2e-5)).all())
+    assert not q[~sent].any()
+    # What it reports as lost is what was lost, as a receiver sees it.
+    assert torch.allclose(error.double(), v.double() - q.double() * step, rtol=1e-6, atol=0)
+
+
 # (numel, piece): one piece, or (the last) many that pipeline.
 SIZES = [(5, None), (1000, None), (70_001, None), (70_001, 16 * BLOCK)]
 
