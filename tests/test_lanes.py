@@ -192,3 +192,52 @@ async def _unheard_lane(
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             return status, False
         return status, True
+
+
+class _SlowReader:
+    """A StreamHandler that starts reading each stream late (a busy
+    neighbour), and keeps what it read and how the stream ended."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.read: list[bytes] = []
+        self.ended: list[str] = []
+
+    async def handle_stream(self, first: bytes, stream: Any, origin: str) -> None:
+        self.read.append(first)
+        await asyncio.sleep(self.delay)
+        while (message := await stream.read()) is not None:
+            self.read.append(message)
+        self.ended.append("cut" if getattr(stream, "cut", False) else "clean")
+
+    async def handle_abort(self, message: bytes) -> None:
+        pass
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.6])
+async def test_a_stream_ended_in_the_background_lands_before_its_transport_closes(
+    delay: float,
+) -> None:
+    # A ring's stream ends in the background (OutStream.end): its sender
+    # returns before the receiver has read its last end markers. Settling
+    # (what a Peer's close does, for its notice grace) lets a receiver that
+    # reads late still get everything and a clean end; the lane is then
+    # idle, not killed.
+    reader = _SlowReader(delay)
+    receiver = grpc_streams.GrpcTransport("127.0.0.1:0")
+    sender = grpc_streams.GrpcTransport("127.0.0.1:0")
+    address = await receiver.start(reader)
+    await sender.start(_SlowReader(0.0))
+    sender.connect([address])
+    try:
+        stream = await sender.open(0, 0)
+        messages = [bytes([i]) * (i + 1) for i in range(1, 4)]
+        for message in messages:
+            await stream.write(message)
+        stream.end()
+        await sender.settle(5.0)
+        assert reader.read == messages and reader.ended == ["clean"]
+        assert sender._idle[(0, 0)] and not sender._idle[(0, 0)][0].dead
+    finally:
+        await sender.close()
+        await receiver.close()

@@ -111,8 +111,10 @@ class LaneRunner:
         # With a wire dtype: received values widened, and values rounded.
         self._wide = wire.Scratch(job.buffer.dtype)
         self._narrow = wire.Scratch(job.wire or job.buffer.dtype)
-        # The outgoing stream, until it has been closed cleanly.
+        # The outgoing stream, until it has been closed cleanly; and the
+        # write of its descriptor while it runs (see _send).
         self.out: OutStream | None = None
+        self._described: asyncio.Future[None] | None = None
         self.watch = Watchdog(me, ctx.transport, ctx.timeouts.idle, job.name, job.seq)
 
     def _error(self, cls: type[FerroGrpcError], message: str, peer: int | None) -> FerroGrpcError:
@@ -132,12 +134,17 @@ class LaneRunner:
         """Tell the right neighbour why, in band, before the stream ends: so it
         reports the root cause instead of "the stream ended"."""
         stream, self.out = self.out, None
+        described, self._described = self._described, None
         if stream is None:
             return
         header = self._header()
         header.abort.CopyFrom(self.ctx.failure.abort_message(self._cause(exc)))
         try:
             async with asyncio.timeout(ABORT_WRITE_S):
+                if described is not None:
+                    # Its write finishes first: cancelled, gRPC would cancel
+                    # the whole call, and the abort with it.
+                    await asyncio.wait([described])
                 await stream.write(wire.encode(header))
                 await stream.close()
         except (Exception, asyncio.CancelledError):
@@ -147,6 +154,11 @@ class LaneRunner:
             pass
         finally:
             stream.cancel()
+            if described is not None:
+                if not described.done():
+                    described.cancel()
+                elif not described.cancelled():
+                    described.exception()  # (retrieved: its failure is this one's aftermath)
 
     # ------------------------------------------------------------- sending
 
@@ -177,15 +189,14 @@ class LaneRunner:
         # write at a time: so the first chunk is framed while the
         # descriptor's write completes, not after.
         described = asyncio.ensure_future(self._write(stream, wire.encode(opening), 0))
-        try:
-            await asyncio.sleep(0)  # (the descriptor's write starts)
-            await self._send_chunks(stream, described)
-            await described
-        finally:
-            if not described.done():
-                described.cancel()
-            elif not described.cancelled():
-                described.exception()  # (retrieved: raised above, or a failure's aftermath)
+        self._described = described
+        # A failed descriptor fails the sender at once, even while it waits
+        # for a chunk to forward.
+        described.add_done_callback(self._on_described)
+        await asyncio.sleep(0)  # (the descriptor's write starts)
+        await self._send_chunks(stream, described)
+        await described
+        self._described = None
         # End the stream with end markers, the first only once everything
         # this rank receives has arrived and passed its checks, and marker k
         # once marker k - 1 came from the left. The markers, not the
@@ -205,6 +216,11 @@ class LaneRunner:
             await self._write(stream, wire.encode(end), len(self.plan.sends))
         self.out = None
         stream.end()
+
+    def _on_described(self, described: asyncio.Future[None]) -> None:
+        error = None if described.cancelled() else described.exception()
+        if error is not None:
+            self.received.fail(error)
 
     async def _send_chunks(self, stream: OutStream, described: asyncio.Future[None]) -> None:
         """Send the plan's chunks, the first once ``described`` (the

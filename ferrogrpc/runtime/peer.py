@@ -123,8 +123,9 @@ class Peer:
     async def close(self, *, notice_grace: float = ABORT_DELIVERY_S) -> None:
         """Stop serving and close every connection. Idempotent. Running
         collectives fail with PeerError. Failure notices still on their way
-        to other ranks get up to ``notice_grace`` seconds to land (a rank
-        that is stopped never takes one)."""
+        to other ranks, and the last end markers of this rank's ring
+        collectives, get up to ``notice_grace`` seconds to land (a rank that
+        is stopped never takes them)."""
         if self._life.begin_close():
             await self._shutdown(notice_grace)
 
@@ -134,7 +135,11 @@ class Peer:
         me = self._me
         closed = "the peer was closed while this collective ran"
         self._jobs.cancel_all(lambda j: me.error(PeerError, closed, op=j.name, seq=j.seq))
-        await self._ctx.failure.drain(notice_grace)
+        # Failure notices, and the last end markers of ring streams ending in
+        # the background (a right neighbour may still be reading them).
+        await asyncio.gather(
+            self._ctx.failure.drain(notice_grace), self._ctx.transport.settle(notice_grace)
+        )
         await self._engine.links.close()
         self._engine.close()
         if self._mesh is not None:

@@ -492,7 +492,7 @@ class GrpcTransport(Transport):
             try:
                 if not lane.answer.done():
                     await lane.call.write(b"")
-                answer = await lane.answer
+                answer = await asyncio.shield(lane.answer)
             except Exception:
                 lane.kill()
                 return
@@ -582,10 +582,7 @@ class GrpcTransport(Transport):
 
     async def close(self) -> None:
         self._closing = True
-        if self._ending:
-            # A right neighbour may still be reading this rank's last end
-            # markers: let them land.
-            await asyncio.wait(self._ending, timeout=ENDING_GRACE_S)
+        await self.settle(ENDING_GRACE_S)
         lanes, self._lanes, self._idle = self._lanes, set(), {}
         if lanes:
             await asyncio.gather(*(lane.end(LANE_END_S) for lane in lanes))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import Callable
@@ -68,6 +69,15 @@ class Transport(abc.ABC):
     advertise; ``connect`` learns everyone's addresses."""
 
     addresses: list[str]
+    # Streams ending in the background (OutStream.end).
+    _ending: set[asyncio.Task[None]]
+
+    async def settle(self, grace: float) -> None:
+        """Give the streams still ending in the background (OutStream.end)
+        up to ``grace`` seconds to land: a right neighbour may still be
+        reading this rank's last end markers."""
+        if self._ending:
+            await asyncio.wait(self._ending, timeout=grace)
 
     @abc.abstractmethod
     async def start(self, handler: StreamHandler) -> str: ...
@@ -159,10 +169,20 @@ class _MemoryOutStream:
         task.add_done_callback(self._ending.discard)
 
     async def _end_quietly(self) -> None:
-        try:
-            await self.close()
-        except Exception:
-            self.cancel()
+        """:meth:`close`, for :meth:`end`: the end of the stream waits for
+        room in the window only while the receiver still reads, and a
+        cancellation (the transport closing) stops this, not the receiver."""
+        task, stream = self._task, self._stream
+        if task is None or stream is None:
+            return
+        if not task.done():
+            put = asyncio.ensure_future(stream.queue.put(None))
+            try:
+                await asyncio.wait([put, task], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                put.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.shield(task)
 
     def cancel(self) -> None:
         if self._task is not None:
@@ -225,10 +245,11 @@ class MemoryTransport(Transport):
         return time.time()  # every rank in this process reads the same clock
 
     async def close(self) -> None:
+        await self.settle(ENDING_GRACE_S)
+        for task in list(self._ending):
+            task.cancel()
         if self._ending:
-            await asyncio.wait(self._ending, timeout=ENDING_GRACE_S)
-            for task in self._ending:
-                task.cancel()
+            await asyncio.wait(self._ending)
         self.closed = True
         for address, transport in list(self._registry.items()):
             if transport is self:
