@@ -178,3 +178,31 @@ async def test_checksum_algorithm_mismatch() -> None:
         for res in results:
             assert isinstance(res, fg.ProtocolError), res
             assert "checksum=crc32c" in str(res) and "checksum=crc32" in str(res), res
+
+
+async def test_a_rank_of_another_ferrogrpc_version_is_named_as_such() -> None:
+    # A rank whose streams speak another protocol (here: an older one,
+    # which sends no protocol in its descriptors) fails every rank at once,
+    # and the error says to run one version, not whichever other field the
+    # versions also cut differently.
+    from ferrogrpc.transport import wire
+
+    def as_older(dst: int, message: bytes) -> bytes:
+        header, payload = wire.decode(message)
+        if not header.HasField("descriptor"):
+            return message
+        header.descriptor.protocol = 0
+        header.descriptor.chunk_elems += 1
+        return wire.encode(header, payload)
+
+    calls: list[Call] = [lambda p: p.all_reduce(torch.ones(1 << 18))] * 3
+    async with fg.testing.local_group(
+        3, timeouts=fg.Timeouts(collective=20, idle=10, connect=10), direct=False
+    ) as peers:
+        peers[1]._ctx.transport.send_hook = as_older  # type: ignore[attr-defined]
+        results = await asyncio.gather(
+            *(calls[r](peers[r]) for r in range(3)), return_exceptions=True
+        )
+    for r, res in enumerate(results):
+        assert isinstance(res, fg.ProtocolError), (r, res)
+        assert "protocol" in str(res) and "run one version everywhere" in str(res), (r, res)

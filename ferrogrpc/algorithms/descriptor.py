@@ -16,6 +16,8 @@ from . import schedule
 from .schedule import LanePlan
 
 _FIELDS = (
+    # First: other fields may differ between versions too.
+    ("protocol", lambda v: f"{v} (ferrogrpc's stream protocol: run one version everywhere)"),
     ("kind", kind_name),
     ("dtype", wire_dtype_name),
     ("numel", str),
@@ -28,6 +30,10 @@ _FIELDS = (
     ("chunk_elems", str),
     ("checksum", integrity.kind_name),
 )
+
+# The streams' protocol version, in every descriptor: 2, a ring ends with
+# world - 1 end markers and no round trip ([Note: end markers], ring.py).
+PROTOCOL = 2
 
 _REDUCING = (pb.ALL_REDUCE, pb.REDUCE_SCATTER)
 
@@ -72,6 +78,7 @@ def make_descriptor(
         chunk_elems=schedule.chunk_elems_for(chunk_bytes, wire.itemsize if wire else itemsize),
         checksum=integrity.checksum_kind(checksum),  # type: ignore[arg-type]
         wire_dtype=DTYPE_TO_WIRE[wire] if wire is not None else 0,  # type: ignore[arg-type]
+        protocol=PROTOCOL,
     )
 
 

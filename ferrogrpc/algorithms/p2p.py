@@ -23,7 +23,7 @@ from ..ops import DTYPE_TO_WIRE
 from ..transport.wire import bytes_view
 from ..v1 import collective_pb2 as pb
 from .context import RankContext
-from .descriptor import describe_mismatch
+from .descriptor import PROTOCOL, describe_mismatch
 from .links import Links, check_part, send_parts
 from .mailboxes import P2P_KEY, Mailbox
 
@@ -95,6 +95,7 @@ class PointToPoint:
             dtype=DTYPE_TO_WIRE[tensor.dtype],  # type: ignore[arg-type]
             numel=tensor.numel(),
             world_size=self.ctx.identity.world_size,
+            protocol=PROTOCOL,
         )
 
     def _watch(self, name: str, n: int) -> Watchdog:
