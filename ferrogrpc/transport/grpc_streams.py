@@ -48,12 +48,16 @@ TCP_CONNECT_S = 0.5
 # scripts/grpc_stream_setup.py), every collective, every lane. A lane
 # carries one stream at a time, ended by an empty message, and the receiver
 # answers each once (an empty Abort: consumed; else why it failed it), as
-# the RPC's status did. A stream opened while every lane to that rank is
+# the RPC's status did. A ring's stream ends in the background
+# (OutStream.end): its lane is busy until that answer comes, after the
+# collective returned. A stream opened while every lane to that rank is
 # busy gets a new one: lanes are never shared, so no collective waits
 # behind another's (and no order between collectives can deadlock). A
 # failed or cancelled stream takes its lane down with it; an idle lane is
-# reused (at most IDLE_LANES kept per rank and lane index). Closing ends
-# every lane and waits until gRPC has finished with it (see _Lane.end).
+# reused (at most IDLE_LANES kept per rank and lane index: back-to-back
+# collectives settle on two to four). Closing settles the ends still
+# pending, then ends every lane and waits until gRPC has finished with it
+# (see _Lane.end).
 IDLE_LANES = 4
 # How long closing waits for each lane to end cleanly (a receiver that is
 # gone or stopped costs this, twice at most); see _Lane.end.
