@@ -76,8 +76,9 @@ class Transport(abc.ABC):
         """Give the streams still ending in the background (OutStream.end)
         up to ``grace`` seconds to land: a right neighbour may still be
         reading this rank's last end markers."""
-        if self._ending:
-            await asyncio.wait(self._ending, timeout=grace)
+        ending = getattr(self, "_ending", None)  # (a transport with no background ends)
+        if ending:
+            await asyncio.wait(ending, timeout=grace)
 
     @abc.abstractmethod
     async def start(self, handler: StreamHandler) -> str: ...
