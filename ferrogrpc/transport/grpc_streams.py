@@ -18,7 +18,7 @@ from ..v1 import collective_pb2 as pb
 from .auth import TOKEN_METADATA_KEY as TOKEN_METADATA_KEY  # clients' name for it
 from .auth import add_port, aio_channel, aio_server, interceptors, token_metadata
 from .grpc_errors import abort_with, detached, replied, reply_for, translate
-from .streams import ENDING_GRACE_S, InStream, OutStream, SendHook, StreamHandler, Transport
+from .streams import InStream, OutStream, SendHook, StreamHandler, Transport
 
 SERVICE = "ferrogrpc.v1.Collective"
 SEND_METHOD = f"/{SERVICE}/Send"
@@ -200,8 +200,7 @@ class _LaneOutStream:
         self._transport._release(self._key, lane)
 
     def end(self) -> None:
-        lane, self._lane = self._current(), None
-        self._transport._end_later(self._key, lane)
+        self._transport._end_later(self)
 
     async def _failure(self, exc: BaseException | None) -> FerroGrpcError:
         """Why the stream failed: the receiver's answer, or the lane's end
@@ -305,6 +304,7 @@ class GrpcTransport(Transport):
         token: str | None = None,
         send_hook: SendHook | None = None,
     ) -> None:
+        super().__init__()
         self._bind = bind
         self._advertise_host = advertise_host
         self._max = max_message_bytes
@@ -317,9 +317,8 @@ class GrpcTransport(Transport):
         # Idle long-lived lanes, by (rank, lane index); and every open one.
         self._idle: dict[tuple[int, int], list[_Lane]] = {}
         self._lanes: set[_Lane] = set()
-        # Streams ending in the background (OutStream.end), and whether
-        # close() began (a lane released after that is ended, not kept).
-        self._ending: set[asyncio.Task[None]] = set()
+        # Whether close() began (a lane released after that is ended, not
+        # kept).
         self._closing = False
         self._handler: StreamHandler | None = None
         self.addresses = []
@@ -486,32 +485,6 @@ class GrpcTransport(Transport):
         else:
             idle.append(lane)
 
-    def _end_later(self, key: tuple[int, int], lane: _Lane) -> None:
-        """End the stream on ``lane`` in the background (OutStream.end): the
-        lane is idle again once its receiver answered, and killed if that
-        answer is a failure or never comes."""
-
-        async def end() -> None:
-            assert lane.answer is not None
-            try:
-                if not lane.answer.done():
-                    await lane.call.write(b"")
-                answer = await asyncio.shield(lane.answer)
-            except Exception:
-                lane.kill()
-                return
-            except asyncio.CancelledError:
-                lane.kill()
-                raise
-            if answer:
-                lane.kill()
-            else:
-                self._release(key, lane)
-
-        task = asyncio.ensure_future(end())
-        self._ending.add(task)
-        task.add_done_callback(self._ending.discard)
-
     async def send_abort(self, dst: int, message: bytes, timeout: float) -> None:
         method = self._channel(dst, 0).unary_unary(
             ABORT_METHOD, request_serializer=_identity, response_deserializer=_identity
@@ -586,14 +559,10 @@ class GrpcTransport(Transport):
 
     async def close(self) -> None:
         self._closing = True
-        await self.settle(ENDING_GRACE_S)
+        await self._stop_ending()
         lanes, self._lanes, self._idle = self._lanes, set(), {}
         if lanes:
             await asyncio.gather(*(lane.end(LANE_END_S) for lane in lanes))
-        for task in list(self._ending):
-            task.cancel()
-        if self._ending:
-            await asyncio.wait(self._ending)
         channels = list(self._channels.values())
         self._channels.clear()
         for channel in channels:

@@ -69,16 +69,37 @@ class Transport(abc.ABC):
     advertise; ``connect`` learns everyone's addresses."""
 
     addresses: list[str]
-    # Streams ending in the background (OutStream.end).
-    _ending: set[asyncio.Task[None]]
+
+    def __init__(self) -> None:
+        # Streams ending in the background (OutStream.end).
+        self._ending: set[asyncio.Task[None]] = set()
+
+    def _end_later(self, stream: OutStream) -> None:
+        """``stream.close()`` in the background, for ``stream.end()``: a
+        failure there is dropped (the stream's close drops what failed)."""
+
+        async def end() -> None:
+            with contextlib.suppress(Exception):
+                await stream.close()
+
+        task = asyncio.ensure_future(end())
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
 
     async def settle(self, grace: float) -> None:
         """Give the streams still ending in the background (OutStream.end)
         up to ``grace`` seconds to land: a right neighbour may still be
         reading this rank's last end markers."""
-        ending = getattr(self, "_ending", None)  # (a transport with no background ends)
-        if ending:
-            await asyncio.wait(ending, timeout=grace)
+        if self._ending:
+            await asyncio.wait(self._ending, timeout=grace)
+
+    async def _stop_ending(self) -> None:
+        """At close: the streams still ending get ENDING_GRACE_S, then stop."""
+        await self.settle(ENDING_GRACE_S)
+        for task in list(self._ending):
+            task.cancel()
+        if self._ending:
+            await asyncio.wait(self._ending)
 
     @abc.abstractmethod
     async def start(self, handler: StreamHandler) -> str: ...
@@ -122,10 +143,10 @@ class _MemoryOutStream:
         window: int,
         dst: int,
         hook: SendHook | None,
-        ending: set[asyncio.Task[None]],
+        owner: MemoryTransport,
     ) -> None:
         self._hook = hook
-        self._ending = ending
+        self._owner = owner
         self._target = target
         self._window = window
         self._dst = dst
@@ -161,29 +182,19 @@ class _MemoryOutStream:
             return
         assert self._stream is not None
         if not self._task.done():
-            await self._stream.queue.put(None)
-        await self._task
-
-    def end(self) -> None:
-        task = asyncio.ensure_future(self._end_quietly())
-        self._ending.add(task)
-        task.add_done_callback(self._ending.discard)
-
-    async def _end_quietly(self) -> None:
-        """:meth:`close`, for :meth:`end`: the end of the stream waits for
-        room in the window only while the receiver still reads, and a
-        cancellation (the transport closing) stops this, not the receiver."""
-        task, stream = self._task, self._stream
-        if task is None or stream is None:
-            return
-        if not task.done():
-            put = asyncio.ensure_future(stream.queue.put(None))
+            # Room in the window for the end, unless the receiver ends first
+            # (a full window is then never read).
+            put = asyncio.ensure_future(self._stream.queue.put(None))
             try:
-                await asyncio.wait([put, task], return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait([put, self._task], return_when=asyncio.FIRST_COMPLETED)
             finally:
                 put.cancel()
-        with contextlib.suppress(Exception):
-            await asyncio.shield(task)
+        # Shielded: a close cancelled (its caller's timeout, an end in the
+        # background stopped) leaves the receiver to its own end.
+        await asyncio.shield(self._task)
+
+    def end(self) -> None:
+        self._owner._end_later(self)
 
     def cancel(self) -> None:
         if self._task is not None:
@@ -197,13 +208,12 @@ class MemoryTransport(Transport):
     _ids = itertools.count()
 
     def __init__(self, registry: dict[str, MemoryTransport], window: int = 4) -> None:
+        super().__init__()
         self._registry = registry
         self._window = window
         self.send_hook: SendHook | None = None
         self.handler: StreamHandler | None = None
         self.closed = False
-        # Streams ending in the background (OutStream.end).
-        self._ending: set[asyncio.Task[None]] = set()
         # Tests set this to stand for a stopped process: pings go unanswered.
         self.frozen = False
         self.addresses = []
@@ -226,7 +236,7 @@ class MemoryTransport(Transport):
         return target
 
     async def open(self, dst: int, lane: int) -> OutStream:
-        return _MemoryOutStream(self._target(dst), self._window, dst, self.send_hook, self._ending)
+        return _MemoryOutStream(self._target(dst), self._window, dst, self.send_hook, self)
 
     async def send_abort(self, dst: int, message: bytes, timeout: float) -> None:
         target = self._target(dst)
@@ -246,11 +256,7 @@ class MemoryTransport(Transport):
         return time.time()  # every rank in this process reads the same clock
 
     async def close(self) -> None:
-        await self.settle(ENDING_GRACE_S)
-        for task in list(self._ending):
-            task.cancel()
-        if self._ending:
-            await asyncio.wait(self._ending)
+        await self._stop_ending()
         self.closed = True
         for address, transport in list(self._registry.items()):
             if transport is self:
