@@ -423,6 +423,12 @@ def test_killed_ranks_lose_no_step_and_joiners_get_live_state(
         mine = [d for d in run.lines(joiner) if "idx" in d]
         assert mine and mine[-1]["step"] == steps - 1, run.output()
         assert mine[0]["world"] == 4 and mine[0]["extra"] == {"tag": "elastic-test"}
+        # Its first step ran while the optimizer's part of the state still
+        # landed, and so did the members' step beside it: nobody waited for
+        # the whole transfer at the boundary.
+        assert mine[0]["in_flight"], mine[0]
+        beside = [d for d in by_step[mine[0]["step"]] if d["proc"] != joiner]
+        assert beside and all(d["in_flight"] for d in beside), beside
 
 
 @pytest.mark.timeout(150)

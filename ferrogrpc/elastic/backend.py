@@ -363,10 +363,15 @@ class ElasticBackend:
         here (the group's step index came with it: ``ElasticState.step``)."""
         self._step, self._phase = step, 0
         received = False
+        # A step without a sync may have left the last transfer running: it
+        # ends here, on the first pass only. A transfer this boundary begins
+        # goes on during the step (see [Note: the state in two parts]).
+        finish_last = self.state is not None
         while True:
             try:
-                if self.state is not None:
-                    self.state.finish_transfer()  # a step without a sync left it running
+                if finish_last and self.state is not None:
+                    finish_last = False
+                    self.state.finish_transfer()
                 if self._current is None:
                     self._enter(rpb.ENTER_JOIN)
                     received = True
@@ -396,6 +401,10 @@ class ElasticBackend:
                 self._require().all_reduce(flag, "max")
                 if int(flag.item()) == 0:
                     return received
+                if self.state is not None:
+                    # Every member sends its stripe of a state it holds
+                    # whole: the transfer of a grow just done lands first.
+                    self.state.finish_transfer()
                 self._enter(rpb.ENTER_GROW)
                 if self._settle() > 2 * self._step:
                     return received

@@ -20,8 +20,10 @@ still arriving. Members send that part from their own tensors, unchanged
 until their optimizer's next step; so both sides finish it
 (:meth:`ElasticState.finish_transfer`) when the step's gradient sync
 begins (ElasticBackend.run_sync), and at the next boundary if a step had
-no sync. A joiner whose receipt fails there is *incomplete*: it joins
-again, as a joiner, and receives the whole state anew.
+no sync. Nothing at the admitting boundary waits for it, except a second
+grow there: a member sends only a state it holds whole. A joiner whose
+receipt fails is *incomplete*: it joins again, as a joiner, and receives
+the whole state anew.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ elastic=True), one JSON line per completed step.
 Every step trains on a fixed global batch (BATCH samples, the same on every
 process); each member takes the slice ``rank::world_size`` it had when the
 step began. A line says the step, the sample indices this process's gradient
-came from, the world size after the sync and the loss. At the end the
+came from, the world size after the sync, the loss, and whether a state
+transfer was still in flight as the step began. At the end the
 process saves its parameters and optimizer state to OUT_DIR.
 
 Environment:
@@ -116,6 +117,10 @@ def run(backend: Any, ddp: Any, net: Any, opt: Any, state: Any) -> None:
     file_at = os.environ.get("FILE_KILL_AT", "before")
     file_done = False
     for step in state.steps(steps):
+        # Whether the state's transfer (the optimizer's part) is still on
+        # its way as the step begins: a joiner's first step and its
+        # members' run beside it (see [Note: the state in two parts]).
+        in_flight = state._receiving is not None or bool(state._sending)
         x, y = data(step)
         rank, size = backend.rank, backend.world_size
         idx = list(range(rank, BATCH, size))
@@ -151,6 +156,7 @@ def run(backend: Any, ddp: Any, net: Any, opt: Any, state: Any) -> None:
             "epoch": backend.membership.epoch,
             "loss": loss.item(),
             "extra": state.extra,
+            "in_flight": in_flight,
             "t": time.time(),
         }
         print(json.dumps(line), flush=True)
