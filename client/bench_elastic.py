@@ -283,6 +283,8 @@ def measure(nproc: int, state_bytes: int, timeout: float) -> dict[str, float]:
         "join_to_step_s": first["t"] - started,
         "transfer_bytes": float(transfer.get("bytes", 0)),
         "transfer_s": float(transfer.get("seconds", 0.0)),
+        "model_bytes": float(transfer.get("model_bytes", 0)),
+        "model_s": float(transfer.get("model_seconds", 0.0)),
         "pause_s": pause,
     }
 
@@ -309,24 +311,26 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
     print(
         f"elastic group of {args.nproc} on this machine: SIGKILL one member, then a "
-        "replacement joins; a bare gRPC stream of the same bytes, same run"
+        "replacement joins; a bare gRPC stream of as many bytes, same run"
     )
     header = (
         f"{'state':>8} {'step s':>7} {'kill->step s':>12} {'join->step s':>12} "
-        f"{'transfer MB':>11} {'s':>6} {'MB/s':>7} {'bare MB/s':>9} {'ratio':>6} "
-        f"{'repeat MB/s':>11} {'ratio':>6} {'pause s':>7}"
+        f"{'transfer MB':>11} {'s':>6} {'MB/s':>7} {'model MB':>8} {'s':>6} {'MB/s':>7} "
+        f"{'bare MB/s':>9} {'ratio':>6} {'repeat MB/s':>11} {'ratio':>6} {'pause s':>7}"
     )
     print(header)
     print("-" * len(header))
     for size in args.sizes:
         m = measure(args.nproc, size, args.timeout)
-        bare = bare_stream_rate(int(m["transfer_bytes"]) or size)
-        repeat = bare_stream_rate(int(m["transfer_bytes"]) or size, repeat=True)
-        rate = m["transfer_bytes"] / m["transfer_s"] if m["transfer_s"] else 0.0
+        bare = bare_stream_rate(int(m["model_bytes"]) or size)
+        repeat = bare_stream_rate(int(m["model_bytes"]) or size, repeat=True)
+        whole = m["transfer_bytes"] / m["transfer_s"] if m["transfer_s"] else 0.0
+        rate = m["model_bytes"] / m["model_s"] if m["model_s"] else 0.0
         print(
             f"{fmt_size(size):>8} {m['step_s']:7.3f} {m['kill_to_step_s']:12.3f} "
             f"{m['join_to_step_s']:12.3f} {m['transfer_bytes'] / 1e6:11.1f} "
-            f"{m['transfer_s']:6.3f} {rate / 1e6:7.1f} {bare / 1e6:9.1f} "
+            f"{m['transfer_s']:6.3f} {whole / 1e6:7.1f} {m['model_bytes'] / 1e6:8.1f} "
+            f"{m['model_s']:6.3f} {rate / 1e6:7.1f} {bare / 1e6:9.1f} "
             f"{rate / bare if bare else 0:6.2f} {repeat / 1e6:11.1f} "
             f"{rate / repeat if repeat else 0:6.2f} {m['pause_s']:7.3f}",
             flush=True,
@@ -334,8 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "(step s: a member's step before the kill; kill->step: from the SIGKILL to the "
         "survivors' next completed step; join->step: from the replacement's start to its "
-        "first completed step; transfer: the state it received, striped over every member; "
-        "bare: one grpc.aio stream of the same bytes in 4 MiB messages, each read from its "
+        "first completed step; transfer: the state it received, striped over every member, "
+        "until its last byte landed (its optimizer's part lands during its first step, "
+        "beside the members' step); model: the model's part of it, which lands before that "
+        "step with nothing else running, and which the ratios compare; bare: one grpc.aio "
+        "stream of as many bytes in 4 MiB messages, each read from its "
         "own part of a buffer, two processes; repeat: the same, one cached message sent "
         "again and again (grpc_ceiling.py's way); pause: the members' "
         "step that admitted the joiner, less a normal step)"

@@ -116,3 +116,25 @@ def test_latency_bench_says_wrong_for_a_wrong_result(tmp_path: Path) -> None:
     assert START_WORDS["clock"] in proc.stdout, proc.stdout + proc.stderr
     assert "# results WRONG" in proc.stdout, proc.stdout + proc.stderr
     assert proc.returncode == 1, proc.returncode
+
+
+@pytest.mark.timeout(120)
+def test_elastic_bench_reports_the_kill_the_join_and_the_transfer() -> None:
+    # An 8 MB request builds one 1024x1024 layer: 1,049,600 parameters, 12
+    # bytes each with Adam's two moments, a third of them the model's part.
+    proc = subprocess.run(
+        [sys.executable, "-m", "client.bench", "--elastic", "--sizes", "8M", "--nproc", "2"],
+        env={**clean_env(), "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("   8 MiB"))
+    cells = [float(x) for x in row.split()[2:]]
+    step, kill, join, mb, s, _, model_mb, model_s, rate, bare, ratio = cells[:11]
+    params = 1024 * 1024 + 1024
+    assert mb == round(12 * params / 1e6, 1) and model_mb == round(4 * params / 1e6, 1), row
+    assert 0 < model_s <= s and 0 < kill < 30 and 0 < join < 60 and step > 0, row
+    assert rate > 0 and bare > 0 and ratio == pytest.approx(rate / bare, abs=0.01), row

@@ -102,6 +102,7 @@ class _Receiving:
     header: dict[str, Any]
     start: float
     model_done: float  # when the model's part had landed
+    model_bytes: int
     members: int
 
 
@@ -397,7 +398,10 @@ class ElasticState:
             p.grad = None
         rest = self._receive_part(targets, range(model, len(targets)), joined_from)
         stamps = [work.when_done() for work, _, _ in rest]
-        self._receiving = _Receiving(rest, stamps, targets, header, start, model_done, joined_from)
+        model_bytes = sum(t.numel() * t.element_size() for t in targets[:model])
+        self._receiving = _Receiving(
+            rest, stamps, targets, header, start, model_done, model_bytes, joined_from
+        )
         return int(header["step"])
 
     def _receive_part(
@@ -441,7 +445,15 @@ class ElasticState:
         # call, which comes after the joiner's first backward).
         seconds = done - receiving.start
         nbytes = sum(t.numel() * t.element_size() for t in receiving.targets)
-        self.last_transfer = {"bytes": nbytes, "seconds": seconds, "members": receiving.members}
+        # The model's part alone, too: nothing else runs while it lands,
+        # where the optimizer's part shares the cores with the first step.
+        self.last_transfer = {
+            "bytes": nbytes,
+            "seconds": seconds,
+            "members": receiving.members,
+            "model_bytes": receiving.model_bytes,
+            "model_seconds": receiving.model_done - receiving.start,
+        }
         logger.info(
             "received %d state bytes from %d members in %.3fs", nbytes, receiving.members, seconds
         )
