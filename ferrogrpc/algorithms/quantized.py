@@ -332,8 +332,13 @@ def _all_reduce_piece(
     exchange = peer.all_to_all_single(received, send)
     gather = peer.all_gather_into_tensor(gathered, mine)
     exact_sum = torch.zeros(exact, dtype=compute)
-    scratch = torch.empty(CHUNK, dtype=compute)
-    padded = torch.zeros(CHUNK, dtype=compute)
+    # No chunk crosses a shard, so none is longer than this. ``padded`` is
+    # written before each use (zeroed for the padding, overwritten as the
+    # sum and the staged result): a small tensor's call neither allocates
+    # nor clears a whole CHUNK.
+    span = min(CHUNK, shard)
+    scratch = torch.empty(span, dtype=compute)
+    padded = torch.empty(span, dtype=compute)
 
     def source() -> torch.Tensor:
         """The tensor's rounded part, flat, on the CPU (a view if it can)."""
