@@ -63,6 +63,7 @@ class GroupState(Protocol):
     def send_to_joiners(self, joined_from: int) -> None: ...
     def receive_from_members(self, joined_from: int) -> int: ...
     def finish_transfer(self) -> None: ...
+    def abandon_transfer(self) -> None: ...
     def rejoined(self) -> None: ...
 
 
@@ -310,6 +311,11 @@ class ElasticBackend:
             self._enter(reason, lost)
         except QuorumLostError as exc:
             raise self._quorum_lost(exc, lost) from exc
+        if self.state is not None:
+            # A transfer of the last epoch still running can only fail now
+            # (its peer is closed); a joiner of it is incomplete, and joined
+            # again above to receive the state anew.
+            self.state.abandon_transfer()
         # (The coordinator places a process that enters as a joiner among
         # the joiners, so a rejoined process is one that received the state.)
         rejoined = self.rank >= self._joined_from

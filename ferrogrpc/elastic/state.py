@@ -458,6 +458,12 @@ class ElasticState:
             "received %d state bytes from %d members in %.3fs", nbytes, receiving.members, seconds
         )
 
+    def abandon_transfer(self) -> None:
+        """Forget what the last transfer left running, without waiting: its
+        epoch ended (:meth:`ElasticBackend.recover`), so it cannot complete.
+        A joiner stays :attr:`incomplete` until it receives the state anew."""
+        self._sending, self._receiving = [], None
+
     def _targets(self, specs: list[tuple[str, torch.dtype, torch.Size]]) -> list[torch.Tensor]:
         """Where each tensor of the stream lands: this process's parameters
         and buffers (when on the CPU and contiguous), new tensors for the rest."""
