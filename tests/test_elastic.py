@@ -431,6 +431,51 @@ def test_killed_ranks_lose_no_step_and_joiners_get_live_state(
         assert beside and all(d["in_flight"] for d in beside), beside
 
 
+@pytest.mark.timeout(120)
+def test_a_member_lost_while_it_sends_a_joiner_the_state(tmp_path: Path) -> None:
+    # Rank 1 killed at step 4; a replacement joins; as the members send it
+    # the state, rank 1 of that epoch dies with the optimizer's part of its
+    # stripe (2 x 16 MB of padding's moments over three members) just
+    # posted. The joiner's receipt is lost with it: it must join again and
+    # receive the whole state from the two left, and no step may be lost
+    # or doubled.
+    steps = 24
+    kill_file = tmp_path / "kill-while-sending"
+    kill_file.touch()
+    run = Run(
+        tmp_path,
+        4,
+        STEPS=str(steps),
+        KILL_STEP="4",
+        KILL_RANK="1",
+        TRANSFER_KILL_RANK="1",
+        TRANSFER_KILL_FILE=str(kill_file),
+        PAD_MB="16",
+        FERROGRPC_SHM="0",  # the state over gRPC, as between hosts
+        SLOW="0.2",
+    )
+    try:
+        run.wait_for(lambda: [d for d in run.lines() if d.get("event") == "kill"], 60, "no kill")
+        run.wait_for(
+            lambda: sum(p.poll() == -signal.SIGKILL for p in run.procs) > 0, 10, "no death"
+        )
+        run.start_rank()
+        joiner = len(run.procs) - 1
+        run.wait_for(
+            lambda: [d for d in run.lines() if d.get("event") == "kill" and d.get("sending")],
+            60,
+            "no kill while sending",
+        )
+        codes = run.finish(90)
+    finally:
+        run.close()
+    assert codes.count(-signal.SIGKILL) == 2 and codes.count(0) == 3, (codes, run.output())
+    check_training(run, steps)
+    mine = [d for d in run.lines(joiner) if "idx" in d]
+    # It trained from the epoch after the second death on, with the rest.
+    assert mine and mine[0]["world"] == 3 and mine[-1]["step"] == steps - 1, run.output()
+
+
 @pytest.mark.timeout(150)
 def test_a_stall_a_coordinator_restart_and_a_death_through_the_new_coordinator(
     tmp_path: Path, report: Callable[[str], None]

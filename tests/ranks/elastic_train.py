@@ -24,6 +24,12 @@ Environment:
   exists; it removes the file first, so only one process does.
   MIN_WORLD: min_world_size; below it, the program prints the
   QuorumLostError and exits 3.
+  PAD_MB: a parameter of that many MB more, all zeros, in the model and
+  its loss times zero: it leaves the training as it is, and makes the
+  state a joiner receives (with Adam's two moments) three times as large.
+  TRANSFER_KILL_RANK, TRANSFER_KILL_FILE: that rank SIGKILLs itself as soon
+  as it has posted the optimizer's part of the state to a joiner (the
+  model's part sent), if it can take (remove) the file: one process only.
   OUT_DIR: where the final state goes.
 """
 
@@ -67,16 +73,21 @@ def main() -> None:
 
     backend = fg.init_backend(elastic=True, min_world_size=min_world)
     net = model()
+    pad_mb = int(os.environ.get("PAD_MB", "0"))
+    if pad_mb:
+        net.pad = nn.Parameter(torch.zeros(pad_mb * 2**18))
     # Small buckets: several are in flight during backward.
     ddp = fg.DDP(net, backend, bucket_size_bytes=2048)
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
     state = fg.ElasticState(ddp, opt, extra={"tag": "elastic-test"})
+    if "TRANSFER_KILL_RANK" in os.environ:
+        _die_sending(backend, int(os.environ["TRANSFER_KILL_RANK"]))
     print(json.dumps({"event": "start", "pid": os.getpid(), "t": time.time()}), flush=True)
     if os.environ.get("STOP_AT") == "start" and backend.rank == int(os.environ["STOP_RANK"]):
         print(json.dumps({"event": "stopping", "step": -1, "t": time.time()}), flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
     try:
-        run(backend, ddp, net, opt, state)
+        run(backend, ddp, net, opt, state, pad_mb)
     except fg.QuorumLostError as exc:
         print(
             json.dumps({"event": "quorum", "lost": exc.lost, "error": str(exc), "t": time.time()}),
@@ -85,11 +96,28 @@ def main() -> None:
         backend.close()
         sys.exit(3)
     torch.save(
-        {"params": [p.detach().clone() for p in net.parameters()], "step": state.step},
+        {
+            "params": [p.detach().clone() for n, p in net.named_parameters() if n != "pad"],
+            "step": state.step,
+        },
         os.path.join(out_dir, f"final-{os.getpid()}.pt"),
     )
     print(json.dumps({"event": "done", "rank": backend.rank}), flush=True)
     backend.close()
+
+
+def _die_sending(backend: Any, rank: int) -> None:
+    """Rank ``rank`` SIGKILLs itself once its sends of the state to a
+    joiner are posted (the optimizer's part still on its way)."""
+    send = fg.ElasticState.send_to_joiners
+
+    def send_then_die(self: Any, joined_from: int) -> None:
+        send(self, joined_from)
+        if backend.rank == rank and _take(os.environ["TRANSFER_KILL_FILE"]):
+            print(json.dumps({"event": "kill", "sending": True, "t": time.time()}), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    fg.ElasticState.send_to_joiners = send_then_die  # type: ignore[method-assign]
 
 
 def _take(path: str) -> bool:
@@ -101,7 +129,7 @@ def _take(path: str) -> bool:
     return True
 
 
-def run(backend: Any, ddp: Any, net: Any, opt: Any, state: Any) -> None:
+def run(backend: Any, ddp: Any, net: Any, opt: Any, state: Any, pad_mb: int) -> None:
     """The training loop, with the faults the environment asks for."""
     steps = int(os.environ.get("STEPS", "40"))
     world = int(os.environ.get("WORLD", "4"))
@@ -137,7 +165,10 @@ def run(backend: Any, ddp: Any, net: Any, opt: Any, state: Any) -> None:
             net[0].weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
         opt.zero_grad()
         loss = nn.functional.mse_loss(ddp(x[idx]), y[idx])
-        loss.backward()
+        if pad_mb:
+            (loss + 0.0 * net.pad.sum()).backward()
+        else:
+            loss.backward()
         if step == stop_step and rank == stop_rank:
             print(json.dumps({"event": "stopping", "step": step}), flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
