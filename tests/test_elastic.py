@@ -344,6 +344,8 @@ def check_training(run: Run, steps: int) -> dict[int, list[dict[str, Any]]]:
         assert worlds == {len(lines)}, (step, lines)
         assert len({json.dumps(d["idx"]) for d in lines}) == len(lines), (step, lines)
         x, y = elastic_train.data(step)
+        for group in opt.param_groups:
+            group["lr"] = elastic_train.lr_at(step)
         opt.zero_grad()
         loss = sum(nn.functional.mse_loss(net(x[d["idx"]]), y[d["idx"]]) for d in lines)
         (loss / len(lines)).backward()  # type: ignore[operator]
@@ -422,7 +424,10 @@ def test_killed_ranks_lose_no_step_and_joiners_get_live_state(
         # A joiner's first step is the group's current one; it ran to the end.
         mine = [d for d in run.lines(joiner) if "idx" in d]
         assert mine and mine[-1]["step"] == steps - 1, run.output()
-        assert mine[0]["world"] == 4 and mine[0]["extra"] == {"tag": "elastic-test"}
+        assert mine[0]["world"] == 4 and mine[0]["extra"]["tag"] == "elastic-test"
+        # It had the group's extra (and optimizer settings) as its first
+        # step began, not only after that step's sync.
+        assert mine[0]["extra_before"] == {"tag": "elastic-test", "last": mine[0]["step"] - 1}
         # Its first step ran while the optimizer's part of the state still
         # landed, and so did the members' step beside it: nobody waited for
         # the whole transfer at the boundary.

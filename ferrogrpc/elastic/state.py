@@ -386,6 +386,14 @@ class ElasticState:
         targets = self._targets(specs)
         model = _model_count([name for name, _, _ in specs])
         self._check_optimizer(header)
+        # What the joiner's first step may read comes with the header, now:
+        # the group's ``extra`` and its optimizer settings (lr, ...). The
+        # optimizer's tensors follow (finish_transfer), and keep the
+        # settings as the step leaves them.
+        self.extra = header["extra"]
+        own_groups = self.optimizer.param_groups
+        for group, theirs in zip(own_groups, header["optimizer"]["param_groups"], strict=True):
+            group.update({k: v for k, v in theirs.items() if k != "params"})
         _land(self._receive_part(targets, range(model), joined_from), targets)
         model_done = time.perf_counter()
         index = {name: i for i, (name, _, _) in enumerate(specs)}
@@ -514,8 +522,10 @@ class ElasticState:
             )
 
     def _load_optimizer(self, targets: list[torch.Tensor], header: dict[str, Any]) -> None:
+        """The optimizer's state from ``targets``; its settings as they are
+        (received with the header, see receive_from_members)."""
         optimizer = header["optimizer"]
-        groups = optimizer["param_groups"]
+        groups = self.optimizer.state_dict()["param_groups"]
         state: dict[int, dict[str, Any]] = {}
         for key, entry in optimizer["state"].items():
             out: dict[str, Any] = {}
@@ -526,7 +536,6 @@ class ElasticState:
                     out[field] = value
             state[int(key)] = out
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-        self.extra = header["extra"]
 
     @staticmethod
     def _copy_into(

@@ -56,6 +56,13 @@ def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
 
 
+def lr_at(step: int) -> float:
+    """The learning rate of ``step``: it changes every step, so a joiner
+    that ran its first step with any other (the group's of the step before)
+    ends apart from the rest."""
+    return 1e-2 * (0.5 + 0.25 * (step % 3))
+
+
 def model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
@@ -149,6 +156,11 @@ def run(backend: Any, ddp: Any, net: Any, opt: Any, state: Any, pad_mb: int) -> 
         # its way as the step begins: a joiner's first step and its
         # members' run beside it (see [Note: the state in two parts]).
         in_flight = state._receiving is not None or bool(state._sending)
+        # What the group's last step left in ``extra``, as this step sees
+        # it (a joiner's first step too), and this step's learning rate.
+        extra_before = state.extra
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
         x, y = data(step)
         rank, size = backend.rank, backend.world_size
         idx = list(range(rank, BATCH, size))
@@ -187,10 +199,12 @@ def run(backend: Any, ddp: Any, net: Any, opt: Any, state: Any, pad_mb: int) -> 
             "epoch": backend.membership.epoch,
             "loss": loss.item(),
             "extra": state.extra,
+            "extra_before": extra_before,
             "in_flight": in_flight,
             "t": time.time(),
         }
         print(json.dumps(line), flush=True)
+        state.extra = {"tag": "elastic-test", "last": step}
         if backend.world_size < world:
             time.sleep(slow)
         elif pace:
