@@ -72,6 +72,9 @@ LOG_ENV: Final = "FERROGRPC_LOG"
 LOG_LEVEL_ENV: Final = "FERROGRPC_LOG_LEVEL"
 # glibc's own: a user who set these capped the arenas themselves.
 GLIBC_ARENA_ENV: Final = "MALLOC_ARENA_MAX"
+# ... or chose the mmap or the trim threshold themselves.
+GLIBC_MMAP_ENV: Final = "MALLOC_MMAP_THRESHOLD_"
+GLIBC_TRIM_ENV: Final = "MALLOC_TRIM_THRESHOLD_"
 GLIBC_TUNABLES_ENV: Final = "GLIBC_TUNABLES"
 
 _OFF = ("0", "false", "no", "off")
@@ -161,6 +164,8 @@ class Settings:
     # torch.distributed backend, which runs inside the user's own loop).
     malloc_tuning: bool | None = None
     user_arena_max: bool = False
+    user_mmap_threshold: bool = False
+    user_trim_threshold: bool = False
     shm: bool = True
     # Small collectives between hosts on the TCP mesh (runtime/direct_mesh.py).
     direct: bool = True
@@ -249,6 +254,10 @@ class Settings:
             log_format=log_format,
             log_level=log_level,
             user_arena_max=GLIBC_ARENA_ENV in env or "arena_max" in env.get(GLIBC_TUNABLES_ENV, ""),
+            user_mmap_threshold=GLIBC_MMAP_ENV in env
+            or "mmap_threshold" in env.get(GLIBC_TUNABLES_ENV, ""),
+            user_trim_threshold=GLIBC_TRIM_ENV in env
+            or "trim_threshold" in env.get(GLIBC_TUNABLES_ENV, ""),
         )
 
     def merged(self, **given: Any) -> Settings:

@@ -19,7 +19,7 @@ from ..control.rendezvous import Rendezvous, route_host
 from ..env import Settings
 from ..errors import ConfigError, FerroGrpcError, RendezvousError
 from ..ops import ReduceOp
-from .allocator import tune_allocator
+from .allocator import tune_for
 from .call import Call
 from .peer import Peer
 from .threads import limit_thread_intraop
@@ -515,7 +515,7 @@ def prepare(
     bind = s.bind_host or ("127.0.0.1" if loopback else "0.0.0.0")
     advertise = s.advertise_host or ("127.0.0.1" if loopback else route_host(target_host))
     # Before the loop thread allocates anything: it is to share one arena.
-    tune_allocator(s.malloc_tuning is not False, cap_arenas=not s.user_arena_max)
+    tune_for(s)
     loop, thread = _start_loop(s.reduce_threads)
     return bind, advertise, loop, thread
 

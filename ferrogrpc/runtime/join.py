@@ -29,7 +29,7 @@ from ..samehost.plane import LocalPlane, host_key
 from ..samehost.topology import Topology
 from ..transport.grpc_streams import HEADER_ROOM, GrpcTransport
 from ..transport.streams import Transport
-from .allocator import tune_allocator
+from .allocator import tune_for
 from .intake import Intake, Session, credential
 
 
@@ -105,7 +105,7 @@ async def join(
 ) -> Parts:
     """Bind, join the rendezvous and connect the host's shared memory.
     Releases whatever it bound if anything fails (cancellation included)."""
-    tune_allocator(s.malloc_tuning is not False, cap_arenas=not s.user_arena_max)
+    tune_for(s)
     if transport is None:
         transport = GrpcTransport(
             f"{bind_host}:{port}",
