@@ -32,35 +32,54 @@ class Call(Coroutine[Any, Any, T]):
 
     def __init__(self, engine: Runs, placed: Placed, result: Callable[[], T]) -> None:
         self._engine = engine
-        self._placed = placed
-        self._result = result
+        self._placed: Placed | None = placed
+        self._result: Callable[[], T] | None = result
         self._coro = self._run()
 
+    def _spend(self) -> tuple[Placed, Callable[[], T]]:
+        """The job and its result, which this call then no longer holds: a
+        call outlives its collective (a task keeps its coroutine, and a
+        ``Work`` the task behind it, as FSDP's reduce-scatters wait until
+        the end of backward), and the job's buffers must not (a layer's
+        whole gradient each)."""
+        placed, result = self._placed, self._result
+        if placed is None or result is None:
+            raise RuntimeError("this collective's call was already run")
+        self._placed = self._result = None
+        return placed, result
+
     async def _run(self) -> T:
-        await self._engine.run(self._placed.job)
-        self._placed.after()
-        return self._result()
+        placed, result = self._spend()
+        await self._engine.run(placed.job)
+        placed.after()
+        return result()
 
     def run_here(self) -> tuple[bool, T | None]:
         """Run the collective in this thread if it can: (True, its result),
         or (False, None) to await it instead. Raises what the collective
         raises."""
+        placed = self._placed
+        if placed is None:
+            raise RuntimeError("this collective's call was already run")
         try:
-            done = self._engine.run_here(self._placed.job)
+            done = self._engine.run_here(placed.job)
         except BaseException:
             self._coro.close()
+            self._spend()
             raise
         if not done:
             return False, None
         self._coro.close()
-        self._placed.after()
-        return True, self._result()
+        placed, result = self._spend()
+        placed.after()
+        return True, result()
 
     def returning(self, result: Callable[[], U]) -> Call[U]:
         """The same collective, returning ``result()`` instead (this call is
         spent: use the one returned)."""
         self._coro.close()
-        return Call(self._engine, self._placed, result)
+        placed, _ = self._spend()
+        return Call(self._engine, placed, result)
 
     # The coroutine protocol, delegated to the loop's path.
 
