@@ -204,6 +204,46 @@ def test_the_stripes_cover_every_byte_once() -> None:
         assert last == total and seen == sizes
 
 
+def test_an_optimizer_step_lets_a_transfer_in_flight_end_first() -> None:
+    """A step with no gradient sync (which would finish the transfer)
+    still must not change the optimizer's tensors while a member sends them
+    to a joiner: ElasticState's step pre-hook waits for the sends first. A
+    send that failed is left to the next sync or boundary."""
+    from ferrogrpc.elastic.backend import ElasticBackend
+    from ferrogrpc.elastic.state import ElasticState
+
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+    class Wrapper:  # what ElasticState reads of fg.DDP
+        backend = ElasticBackend.__new__(ElasticBackend)
+        module = model
+
+        def broadcast_parameters(self) -> None: ...
+
+    state = ElasticState(Wrapper(), opt)  # type: ignore[arg-type]
+    seen: list[torch.Tensor] = []
+
+    class Sending:  # a member's send of a tensor the step will change
+        def __init__(self, fails: bool) -> None:
+            self.fails = fails
+
+        def wait(self) -> None:
+            seen.append(model.weight.detach().clone())
+            if self.fails:
+                raise fg.PeerError("the joiner is gone", op="send")
+
+    for fails in (False, True):
+        before = model.weight.detach().clone()
+        state._sending = [Sending(fails)]  # type: ignore[list-item]
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()  # no error: a failed send is the next sync's to handle
+        assert torch.equal(seen[-1], before)  # sent before the step changed it
+        assert not torch.equal(model.weight, before) and state._sending == []
+    opt.step()  # nothing in flight: the hook does nothing
+    assert len(seen) == 2
+
+
 # ------------------------------------------------------- refusals, at once
 
 

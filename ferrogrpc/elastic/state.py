@@ -20,10 +20,11 @@ still arriving. Members send that part from their own tensors, unchanged
 until their optimizer's next step; so both sides finish it
 (:meth:`ElasticState.finish_transfer`) when the step's gradient sync
 begins (ElasticBackend.run_sync), and at the next boundary if a step had
-no sync. Nothing at the admitting boundary waits for it, except a second
-grow there: a member sends only a state it holds whole. A joiner whose
-receipt fails is *incomplete*: it joins again, as a joiner, and receives
-the whole state anew.
+no sync. An optimizer step before either (a step with no sync) finishes it
+first: ElasticState hooks the optimizer's step. Nothing at the admitting
+boundary waits for it, except a second grow there: a member sends only a
+state it holds whole. A joiner whose receipt fails is *incomplete*: it
+joins again, as a joiner, and receives the whole state anew.
 """
 
 from __future__ import annotations
@@ -226,6 +227,7 @@ class ElasticState:
         self._receiving: _Receiving | None = None
         self.incomplete = False
         self._groups_json(optimizer.state_dict())  # JSON-able hyperparameters, or ConfigError
+        optimizer.register_step_pre_hook(self._before_optimizer_step)
         backend.state = self
 
     # ------------------------------------------------------------- the loop
@@ -465,6 +467,20 @@ class ElasticState:
         logger.info(
             "received %d state bytes from %d members in %.3fs", nbytes, receiving.members, seconds
         )
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        """An optimizer step while a transfer is in flight (a step with no
+        gradient sync, which would have finished it) first lets it end: a
+        member sends from the optimizer's live tensors, and a joiner loads
+        them. A failure here is not raised from ``optimizer.step()``: the
+        next sync or boundary recovers from it, as after any lost peer (a
+        joiner whose receipt failed is :attr:`incomplete`, and joins again)."""
+        if not self._sending and self._receiving is None:
+            return
+        try:
+            self.finish_transfer()
+        except FerroGrpcError as exc:
+            logger.info("the state transfer failed before an optimizer step: %s", exc)
 
     def abandon_transfer(self) -> None:
         """Forget what the last transfer left running, without waiting: its
