@@ -29,9 +29,9 @@ Process-wide, so it is done once, when the first Backend or Peer starts;
 ``GLIBC_TUNABLES``) is kept, as the arena cap is.
 
 [Note: the mmap threshold trades memory for page faults]
-Blocks of 64 MiB or more stay mmapped, and so does a whole model's
-gradient of that size: a ``Linear(4096, 4096)``'s weight gradient is 64 MiB
-exactly, allocated afresh by every backward, and faulted in page by page.
+Blocks of 64 MiB or more are still mmapped, and unmapped when freed. A
+``Linear(4096, 4096)``'s weight gradient is 64 MiB exactly, allocated
+afresh by every backward: so every step faults it in page by page.
 In the 25.2M-parameter MLP of the benchmarks (one such layer) that is 16.6k
 faults a step, and a step of the model alone took 0.153 s of CPU against
 0.103 s with the threshold at 128 MiB (2026-12-04, one rank, one thread).
