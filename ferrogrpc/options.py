@@ -51,7 +51,7 @@ class ChunkPolicy:
 
     Left as None, chunks are 1 MiB at world size 2 and 4 MiB beyond, on one
     lane; across hosts they are cut so that a ring segment has at least 4
-    chunks, none under 1 MiB ([Note: chunks on a link] in
+    chunks, none under 256 KiB ([Note: chunks on a link] in
     algorithms/schedule.py). The sizes were measured on the 2-core reference
     machine with the choices
     interleaved in one run (docs/benchmarks-history.md): each extra stream costs thread
