@@ -52,7 +52,7 @@ import time
 from typing import Any
 
 from client.common import checkout_env, collect, rotated
-from client.netlab import Link, network, recv_bytes, tx_bytes
+from client.netlab import Link, network, tx_bytes
 
 GLOO_PORT, FG_PORT = 29500, 29600
 RAW_TCP = "raw TCP, DiLoCo's bytes"
@@ -103,9 +103,19 @@ class _RawRing:
                 self._done.notify_all()
 
     def _drain(self) -> None:
+        # A block at a time (MSG_WAITALL): one wake-up of this thread per
+        # block, not one per burst of packets, each taking the interpreter's
+        # lock from the training loop. The kernel's cost is the ceiling's,
+        # not a Python reader's.
+        block = memoryview(bytearray(len(self._buffer)))
         with contextlib.suppress(OSError):  # (closed: the run is over)
             while True:
-                recv_bytes(self._in, len(self._buffer))
+                got = 0
+                while got < len(block):
+                    n = self._in.recv_into(block[got:], len(block) - got, socket.MSG_WAITALL)
+                    if not n:
+                        return
+                    got += n
                 self._in.sendall(b"k")
 
     def kick(self) -> None:

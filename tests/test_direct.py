@@ -367,3 +367,50 @@ def test_ranks_sending_each_other_more_than_a_socket_holds_never_wait_on_each_ot
     finally:
         for b in group:
             b.close()
+
+
+def test_a_socket_between_hosts_wakes_once_a_message_has_all_come() -> None:
+    """[Note: one wake-up per message between hosts]: once a message's head
+    has come, its socket turns readable only when the rest has (SO_RCVLOWAT
+    set to the bytes missing_bytes counts), not per burst of packets."""
+    import socket
+    import struct
+
+    from ferrogrpc.algorithms.direct import _HEAD, missing_bytes
+
+    assert missing_bytes(bytearray()) == 1
+    assert missing_bytes(bytearray(5)) == _HEAD.size - 5
+    head = _HEAD.pack(100_000, 7, 0, 0)
+    assert missing_bytes(bytearray(head + bytes(10))) == 100_000 - 10
+    assert missing_bytes(bytearray(head + bytes(100_000))) == 1  # whole: the next one's
+    assert struct.calcsize(_HEAD.format) == _HEAD.size
+
+    server = socket.create_server(("127.0.0.1", 0))
+    sender = socket.create_connection(server.getsockname())
+    receiver, _ = server.accept()
+    server.close()
+    try:
+        sender.sendall(head + bytes(10))
+        buf = bytearray()
+        while len(buf) < len(head) + 10:
+            buf += receiver.recv(4096)
+        want = missing_bytes(buf)
+        receiver.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+        piece = (100_000 - 10) // 5
+        for i in range(5):
+            size = piece if i < 4 else 100_000 - 10 - 4 * piece
+            sender.sendall(bytes(size))
+            readable, _, _ = select.select([receiver], [], [], 0.1)
+            # Not readable until the last piece: the bytes are there, the
+            # message is not.
+            assert bool(readable) == (i == 4), i
+        got = receiver.recv(200_000, socket.MSG_DONTWAIT)
+        assert len(got) == want
+        # The sender going away wakes the receiver whatever the low mark.
+        receiver.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1 << 20)
+        sender.close()
+        readable, _, _ = select.select([receiver], [], [], 5)
+        assert readable and receiver.recv(16) == b""
+    finally:
+        sender.close()
+        receiver.close()
