@@ -80,6 +80,12 @@ GLIBC_TUNABLES_ENV: Final = "GLIBC_TUNABLES"
 _OFF = ("0", "false", "no", "off")
 
 
+def _glibc_set(env: Mapping[str, str], variable: str, tunable: str) -> bool:
+    """Whether the user set one of glibc's malloc settings: its own
+    variable, or its name in GLIBC_TUNABLES."""
+    return variable in env or tunable in env.get(GLIBC_TUNABLES_ENV, "")
+
+
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
     raw = env.get(name)
     if raw is None or raw == "":
@@ -253,11 +259,9 @@ class Settings:
             flight_dir=env.get(FLIGHT_DIR_ENV) or None,
             log_format=log_format,
             log_level=log_level,
-            user_arena_max=GLIBC_ARENA_ENV in env or "arena_max" in env.get(GLIBC_TUNABLES_ENV, ""),
-            user_mmap_threshold=GLIBC_MMAP_ENV in env
-            or "mmap_threshold" in env.get(GLIBC_TUNABLES_ENV, ""),
-            user_trim_threshold=GLIBC_TRIM_ENV in env
-            or "trim_threshold" in env.get(GLIBC_TUNABLES_ENV, ""),
+            user_arena_max=_glibc_set(env, GLIBC_ARENA_ENV, "arena_max"),
+            user_mmap_threshold=_glibc_set(env, GLIBC_MMAP_ENV, "mmap_threshold"),
+            user_trim_threshold=_glibc_set(env, GLIBC_TRIM_ENV, "trim_threshold"),
         )
 
     def merged(self, **given: Any) -> Settings:

@@ -475,8 +475,6 @@ class ElasticState:
         them. A failure here is not raised from ``optimizer.step()``: the
         next sync or boundary recovers from it, as after any lost peer (a
         joiner whose receipt failed is :attr:`incomplete`, and joins again)."""
-        if not self._sending and self._receiving is None:
-            return
         try:
             self.finish_transfer()
         except FerroGrpcError as exc:
