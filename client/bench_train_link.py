@@ -177,6 +177,8 @@ def _step_worker(args: argparse.Namespace) -> None:
         ddp = fg.DDP(model(), backend, compression=compression)
         candidates[name] = (ddp, ddp.sync_gradients)
     candidates["no communication"] = (model(), None)
+    if args.only:
+        candidates = {n: c for n, c in candidates.items() if n in args.only}
     opts = {n: torch.optim.SGD(m.parameters(), lr=1e-3) for n, (m, _) in candidates.items()}
 
     def step(name: str) -> tuple[float, int, float]:
@@ -205,7 +207,7 @@ def _step_worker(args: argparse.Namespace) -> None:
             times[name].append(t)
             sent[name].append(b)
             cpu[name].append(c)
-    params = sum(p.numel() for p in candidates["no communication"][0].parameters())
+    params = sum(p.numel() for p in next(iter(candidates.values()))[0].parameters())
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, {"times": times, "sent": sent, "cpu": cpu})
     if rank == 0:
@@ -458,7 +460,8 @@ def _report_step(data: dict[str, Any], link: Link, world: int, steps: int) -> No
         cpu = statistics.median(
             statistics.fmean(r["cpu"][n][i] for r in ranks) for i in range(steps)
         )
-        print(f"{n:<22} {med[n]:8.3f} {med[n] / med['gloo DDP']:7.2f} {mb:13.1f} {cpu:11.3f}")
+        ratio = f"{med[n] / med['gloo DDP']:7.2f}" if "gloo DDP" in med else f"{'-':>7}"
+        print(f"{n:<22} {med[n]:8.3f} {ratio} {mb:13.1f} {cpu:11.3f}")
 
 
 def _report_lm(
@@ -504,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--diloco-compression", choices=["fp32", "bf16", "int8"], default="bf16")
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
-    parser.add_argument("--only", nargs="*", help="lm: only these implementations")
+    parser.add_argument("--only", nargs="*", help="only these implementations")
     parser.add_argument("--json", help="also write the ranks' figures to this file")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

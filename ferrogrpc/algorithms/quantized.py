@@ -160,7 +160,10 @@ def add_blocks(into: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, first:
     """``into`` (rows of BLOCK) = (or +=, unless ``first``) ``q * scales``."""
     scale = scales.to(into.dtype)[:, None]
     if first:
-        torch.mul(q, scale, out=into)
+        # A widening copy, then a multiply of one dtype: three times the
+        # speed of torch's multiply of mixed dtypes (which casts as it goes).
+        into.copy_(q)
+        into.mul_(scale)
     else:
         into.addcmul_(q, scale)
 
