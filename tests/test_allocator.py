@@ -51,3 +51,89 @@ def test_the_tuning_keeps_what_the_user_set(monkeypatch: pytest.MonkeyPatch) -> 
     assert _applied(monkeypatch, {"GLIBC_TUNABLES": tunables}) == {ARENAS: 1}
     tunables = "glibc.malloc.arena_max=2"
     assert _applied(monkeypatch, {"GLIBC_TUNABLES": tunables}) == {MMAP: 64 << 20, TRIM: 256 << 20}
+
+
+def test_keep_warm_raises_only_the_thresholds_this_tuning_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(allocator, "_done", False)
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: _Libc(calls))
+    assert allocator.tune_for(Settings.from_env({}))
+    calls.clear()
+    mib = 1 << 20
+    assert allocator.keep_warm(10 * mib) and calls == []  # below 64 MiB already
+    # A 64 MiB gradient: above it, with room for glibc's header.
+    assert allocator.keep_warm(64 * mib) and calls == [(MMAP, 65 * mib)]
+    calls.clear()
+    # 200 MiB: the trim threshold goes to twice the mmap threshold.
+    assert allocator.keep_warm(200 * mib) and calls == [(MMAP, 201 * mib), (TRIM, 402 * mib)]
+    calls.clear()
+    assert allocator.keep_warm(64 * mib) and calls == []  # never lowered
+    assert not allocator.keep_warm(allocator.WARM_MAX) and calls == []  # beyond the cap
+    # A threshold the user set is theirs; tuning off touches nothing.
+    for env in ({"MALLOC_MMAP_THRESHOLD_": str(mib)}, {"FERROGRPC_MALLOC_TUNING": "0"}):
+        monkeypatch.setattr(allocator, "_done", False)
+        monkeypatch.setattr(allocator, "_mmap_set", None)
+        allocator.tune_for(Settings.from_env(env))
+        calls.clear()
+        assert not allocator.keep_warm(64 * mib) and calls == []
+
+
+_DDP_FAULTS = """
+import resource, sys, torch
+from torch import nn
+import ferrogrpc as fg
+backend = fg.init_backend(0, 1, "127.0.0.1", int(sys.argv[1]))
+model = nn.Linear(4096, 4096, bias=False)  # a 64 MiB gradient
+ddp = fg.DDP(model, backend)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(4, 4096)
+def step():
+    opt.zero_grad()
+    ddp(x).sum().backward()
+    ddp.sync_gradients()
+    opt.step()
+for _ in range(15):  # (the bucket's two buffers, and the heap, settle)
+    step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    step()
+print("faults per step", (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 10)
+backend.close()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_ddp_steps_gradients_stay_warm(tmp_path: Any) -> None:
+    # Every backward allocates the 64 MiB gradient afresh. With the tuning
+    # off (glibc's defaults), it is mapped and faulted in page by page each
+    # step (16384 pages); a DDP with the tuning keeps it in the heap (once
+    # the heap has settled: a few early steps may still grow it).
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, free_port
+
+    script = tmp_path / "faults.py"
+    script.write_text(_DDP_FAULTS)
+    faults = {}
+    for tuning in ("1", "0"):
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "FERROGRPC_MALLOC_TUNING": tuning,
+        }
+        out = subprocess.run(
+            [sys.executable, str(script), str(free_port())],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=80,
+        )
+        assert out.returncode == 0, out.stderr
+        faults[tuning] = int(out.stdout.split("faults per step")[1])
+    pages = (64 << 20) // 4096
+    assert faults["0"] >= 0.9 * pages, faults  # the reference: glibc's defaults
+    assert faults["1"] < 0.25 * pages, faults

@@ -42,6 +42,16 @@ peak RSS (torch FSDP2 638 -> 1820 MiB, ferrogrpc FSDP with units 856 ->
 1425), as freed layers stayed in the heap. So the default keeps the peak
 down, and a rank whose memory allows sets the threshold itself, for
 example ``MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=536870912``.
+
+DDP is the exception (:func:`keep_warm`). Its gradients are allocated
+afresh by every backward, at the same sizes, and each is freed once copied
+into its bucket: a heap serves that pattern without a fault, and a freed
+gradient is there for the next step's. So a DDP of CPU parameters raises
+the threshold (and the trim threshold, to twice it) above its largest
+gradient, up to :data:`WARM_MAX`. What that costs: up to one largest
+gradient kept in the heap between steps, not a higher peak (the gradient
+is allocated at the peak anyway). Only a threshold this tuning set is
+raised; one the user set is theirs.
 """
 
 from __future__ import annotations
@@ -57,6 +67,14 @@ _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 
 _done = False
+# The mmap and trim thresholds this tuning set (None: it set none, or the
+# user set that one).
+_mmap_set: int | None = None
+_trim_set: int | None = None
+
+# The most keep_warm raises the mmap threshold to: a larger gradient is
+# mapped and unmapped each step, as glibc does by default.
+WARM_MAX = 256 << 20
 
 
 def tune_allocator(
@@ -73,7 +91,7 @@ def tune_allocator(
     process. The flags come from Settings (``FERROGRPC_MALLOC_TUNING``; a
     setting the user made themselves is kept). Returns whether it was
     applied (False off glibc or when disabled)."""
-    global _done
+    global _done, _mmap_set, _trim_set
     if _done:
         return True
     if not enabled or not sys.platform.startswith("linux"):
@@ -96,7 +114,39 @@ def tune_allocator(
     settings = [(option, value) for wants, option, value in wanted if wants]
     ok = all([mallopt(option, value) for option, value in settings])
     _done = ok
+    if ok:
+        _mmap_set = mmap_threshold if set_mmap else None
+        _trim_set = trim_threshold if set_trim else None
     return ok
+
+
+def keep_warm(nbytes: int) -> bool:
+    """Keep blocks of ``nbytes`` in the heap when freed, rather than mapped
+    and unmapped (see [Note: the mmap threshold trades memory for page
+    faults]): raise the mmap threshold this process's tuning set above
+    ``nbytes`` (never above :data:`WARM_MAX`, never lower), and its trim
+    threshold to twice that. Returns whether blocks of ``nbytes`` now stay
+    in the heap."""
+    global _mmap_set, _trim_set
+    if _mmap_set is None:
+        return False
+    # glibc maps a block whose size with its header reaches the threshold.
+    wanted = -(-(nbytes + 1) // (1 << 20)) * (1 << 20)
+    if wanted <= _mmap_set:
+        return True
+    if wanted > WARM_MAX:
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not libc.mallopt(_M_MMAP_THRESHOLD, wanted):
+        return False
+    _mmap_set = wanted
+    if (
+        _trim_set is not None
+        and _trim_set < 2 * wanted
+        and libc.mallopt(_M_TRIM_THRESHOLD, 2 * wanted)
+    ):
+        _trim_set = 2 * wanted
+    return True
 
 
 def tune_for(s: Settings) -> bool:

@@ -19,6 +19,7 @@ from ..elastic.backend import ElasticBackend
 from ..errors import ConfigError, FerroGrpcError
 from ..observe.observer import DDP_BUCKET, DDP_BUCKET_WAIT, Observer
 from ..ops import SUPPORTED_DTYPES
+from ..runtime.allocator import keep_warm
 from ..runtime.backend import Backend
 from ..runtime.peer import observer_of
 from ..runtime.work import Work
@@ -91,6 +92,13 @@ class DDP(nn.Module):
     turn, so the next step's all-reduce never writes the ``.grad`` tensors
     the optimizer just read; a reference to a ``.grad`` kept across steps
     goes stale once its buffer is refilled two steps later.
+
+    Memory, process-wide: with ferrogrpc's allocator tuning on (the
+    default with ``init_backend``), a DDP of CPU parameters raises glibc's
+    mmap threshold above its largest gradient (at most 256 MiB), so that
+    the gradients backward allocates afresh every step are reused from the
+    heap instead of being faulted in page by page; up to one such gradient
+    stays in the heap between steps (README, ``FERROGRPC_MALLOC_TUNING``).
 
     Synchronization: construction (a model fingerprint check, ConfigError on
     every rank if the models differ), every ``sync_gradients()`` /
@@ -184,6 +192,12 @@ class DDP(nn.Module):
             # joiners receive them: ElasticState.)
             check_same_model(module, backend, "DDP")
         self._buckets = self._build_buckets()
+        # Backward allocates every gradient afresh, at the same sizes each
+        # step: keep the largest warm in the heap (see [Note: the mmap
+        # threshold trades memory for page faults] in runtime/allocator.py).
+        on_cpu = [p for b in self._buckets if b.device.type == "cpu" for p in b.params]
+        if on_cpu:
+            keep_warm(max(p.numel() * p.element_size() for p in on_cpu))
         self._slot: dict[int, tuple[_Bucket, int]] = {}
         for bucket in self._buckets:
             for i, p in enumerate(bucket.params):
