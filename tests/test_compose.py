@@ -178,6 +178,8 @@ class Project:
                 "docker",
                 "ps",
                 "-aq",
+                # (Full ids: see _inspect.)
+                "--no-trunc",
                 "--filter",
                 f"label=com.docker.compose.project={self.name}",
                 "--filter",
@@ -221,6 +223,17 @@ class Project:
             ).split()
         return found
 
+    def force_remove(self) -> None:
+        """Remove whatever of this project still exists, running or not."""
+        label = f"label=com.docker.compose.project={self.name}"
+        for ls, rm in (
+            (["ps", "-aq"], ["rm", "-f", "-v"]),
+            (["network", "ls", "-q"], ["network", "rm"]),
+        ):
+            ids = _run(["docker", *ls, "--filter", label]).split()
+            if ids:
+                subprocess.run(["docker", *rm, *ids], capture_output=True, timeout=120, check=False)
+
     def down(self) -> None:
         subprocess.run(
             [*COMPOSE, "down", "-v", "--remove-orphans", "--timeout", "5"],
@@ -258,13 +271,31 @@ def compose_project(image: Image, tmp_path: Path, **variables: str) -> Iterator[
     finally:
         project.down()
         left = project.leftovers()
+        if left:
+            # `up` may still have been creating containers when `down` ran
+            # (a test that failed early): nothing of the project may outlive
+            # the test, or its replicas train on beside the rest of the suite.
+            project.force_remove()
         if ok:  # on a failure, its own message matters more
             assert not left, f"`down` left containers or networks of {name}: {left}"
 
 
-def _inspect(container: str) -> dict[str, object]:
-    data: list[dict[str, object]] = json.loads(_run(["docker", "inspect", container]))
-    return data[0]
+def _inspect(container: str, wait: float = 10.0) -> dict[str, object]:
+    """``docker inspect`` of a container that ``docker ps`` listed. The
+    engine can list a container it is still creating before inspect finds
+    it ("No such object": seen once in a full run, right after ``up``
+    began); that answer is retried for up to ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    while True:
+        proc = subprocess.run(
+            ["docker", "inspect", container], capture_output=True, text=True, timeout=60
+        )
+        if proc.returncode == 0:
+            data: list[dict[str, object]] = json.loads(proc.stdout)
+            return data[0]
+        if "No such object" not in proc.stderr or time.monotonic() > deadline:
+            raise AssertionError(f"docker inspect {container} failed:\n{proc.stdout}{proc.stderr}")
+        time.sleep(0.25)
 
 
 def _state(container: str) -> dict[str, object]:
