@@ -30,9 +30,17 @@ class _Libc:
         self.mallopt: Any = mallopt
 
 
+def _fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The allocator's state as in a process not yet tuned (restored after
+    the test, so that the stand-in libc stays in it)."""
+    for name in ("_mallopt", "_mmap_set", "_trim_set"):
+        monkeypatch.setattr(allocator, name, None)
+    monkeypatch.setattr(allocator, "_done", False)
+
+
 def _applied(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> dict[int, int]:
     calls: list[tuple[int, int]] = []
-    monkeypatch.setattr(allocator, "_done", False)
+    _fresh(monkeypatch)
     monkeypatch.setattr(ctypes, "CDLL", lambda name: _Libc(calls))
     assert allocator.tune_for(Settings.from_env(env)) == bool(calls)
     return dict(calls)
@@ -57,7 +65,7 @@ def test_keep_warm_raises_only_the_thresholds_this_tuning_set(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls: list[tuple[int, int]] = []
-    monkeypatch.setattr(allocator, "_done", False)
+    _fresh(monkeypatch)
     monkeypatch.setattr(ctypes, "CDLL", lambda name: _Libc(calls))
     assert allocator.tune_for(Settings.from_env({}))
     calls.clear()
@@ -73,8 +81,7 @@ def test_keep_warm_raises_only_the_thresholds_this_tuning_set(
     assert not allocator.keep_warm(allocator.WARM_MAX) and calls == []  # beyond the cap
     # A threshold the user set is theirs; tuning off touches nothing.
     for env in ({"MALLOC_MMAP_THRESHOLD_": str(mib)}, {"FERROGRPC_MALLOC_TUNING": "0"}):
-        monkeypatch.setattr(allocator, "_done", False)
-        monkeypatch.setattr(allocator, "_mmap_set", None)
+        _fresh(monkeypatch)
         allocator.tune_for(Settings.from_env(env))
         calls.clear()
         assert not allocator.keep_warm(64 * mib) and calls == []

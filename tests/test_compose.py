@@ -208,31 +208,26 @@ class Project:
                 )
             time.sleep(interval)
 
+    def _remaining(self) -> dict[str, list[str]]:
+        """This project's containers and networks that still exist, by the
+        docker command that removes them."""
+        label = f"label=com.docker.compose.project={self.name}"
+        return {
+            "rm -f -v": _run(["docker", "ps", "-aq", "--filter", label]).split(),
+            "network rm": _run(["docker", "network", "ls", "-q", "--filter", label]).split(),
+        }
+
     def leftovers(self) -> list[str]:
         """Containers and networks of this project that still exist."""
-        found = []
-        for kind in ("ps", "network ls"):
-            found += _run(
-                [
-                    "docker",
-                    *kind.split(),
-                    "-q" if kind == "network ls" else "-aq",
-                    "--filter",
-                    f"label=com.docker.compose.project={self.name}",
-                ]
-            ).split()
-        return found
+        return [i for ids in self._remaining().values() for i in ids]
 
     def force_remove(self) -> None:
         """Remove whatever of this project still exists, running or not."""
-        label = f"label=com.docker.compose.project={self.name}"
-        for ls, rm in (
-            (["ps", "-aq"], ["rm", "-f", "-v"]),
-            (["network", "ls", "-q"], ["network", "rm"]),
-        ):
-            ids = _run(["docker", *ls, "--filter", label]).split()
+        for rm, ids in self._remaining().items():
             if ids:
-                subprocess.run(["docker", *rm, *ids], capture_output=True, timeout=120, check=False)
+                subprocess.run(
+                    ["docker", *rm.split(), *ids], capture_output=True, timeout=120, check=False
+                )
 
     def down(self) -> None:
         subprocess.run(

@@ -59,6 +59,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+from typing import Any
 
 from ..env import Settings
 
@@ -67,8 +68,9 @@ _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 
 _done = False
-# The mmap and trim thresholds this tuning set (None: it set none, or the
-# user set that one).
+# libc's mallopt, once the tuning applied; and the mmap and trim thresholds
+# it set (None: it set none, or the user set that one).
+_mallopt: Any = None
 _mmap_set: int | None = None
 _trim_set: int | None = None
 
@@ -91,7 +93,7 @@ def tune_allocator(
     process. The flags come from Settings (``FERROGRPC_MALLOC_TUNING``; a
     setting the user made themselves is kept). Returns whether it was
     applied (False off glibc or when disabled)."""
-    global _done, _mmap_set, _trim_set
+    global _done, _mallopt, _mmap_set, _trim_set
     if _done:
         return True
     if not enabled or not sys.platform.startswith("linux"):
@@ -115,6 +117,7 @@ def tune_allocator(
     ok = all([mallopt(option, value) for option, value in settings])
     _done = ok
     if ok:
+        _mallopt = mallopt
         _mmap_set = mmap_threshold if set_mmap else None
         _trim_set = trim_threshold if set_trim else None
     return ok
@@ -128,7 +131,7 @@ def keep_warm(nbytes: int) -> bool:
     threshold to twice that. Returns whether blocks of ``nbytes`` now stay
     in the heap."""
     global _mmap_set, _trim_set
-    if _mmap_set is None:
+    if _mallopt is None or _mmap_set is None:
         return False
     # glibc maps a block whose size with its header reaches the threshold.
     wanted = -(-(nbytes + 1) // (1 << 20)) * (1 << 20)
@@ -136,15 +139,10 @@ def keep_warm(nbytes: int) -> bool:
         return True
     if wanted > WARM_MAX:
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    if not libc.mallopt(_M_MMAP_THRESHOLD, wanted):
+    if not _mallopt(_M_MMAP_THRESHOLD, wanted):
         return False
     _mmap_set = wanted
-    if (
-        _trim_set is not None
-        and _trim_set < 2 * wanted
-        and libc.mallopt(_M_TRIM_THRESHOLD, 2 * wanted)
-    ):
+    if _trim_set is not None and _trim_set < 2 * wanted and _mallopt(_M_TRIM_THRESHOLD, 2 * wanted):
         _trim_set = 2 * wanted
     return True
 
