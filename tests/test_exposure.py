@@ -376,10 +376,21 @@ async def test_the_receive_limit_follows_the_chunk_policy() -> None:
         target = peers[1].address
         over = b"\x0a\x00" + bytes(limit - 1)
         assert await _send(target, [over]) == grpc.StatusCode.RESOURCE_EXHAUSTED
-        # Within the limit, a stream must still open with a bare descriptor.
+        # Within the limit, a stream must still open with a descriptor, in a
+        # header of at most 4 KiB, and the sender's credential: else it is
+        # refused before its payload is looked at.
         opening = pb.ChunkHeader(src_rank=0, seq=99)
         opening.descriptor.CopyFrom(pb.Descriptor(kind=pb.ALL_REDUCE, numel=4, world_size=2))
-        for first in (wire.encode(opening, bytes(5000)), wire.encode(opening, b"data")):
+        long = pb.ChunkHeader()
+        long.CopyFrom(opening)
+        long.nonce = "x" * 5000
+        no_descriptor = pb.ChunkHeader(src_rank=0, seq=99)
+        for first in (
+            wire.encode(opening, bytes(5000)),
+            wire.encode(opening, b"data"),
+            wire.encode(long),
+            wire.encode(no_descriptor, b"data"),
+        ):
             assert await _send(target, [first, first]) == grpc.StatusCode.INVALID_ARGUMENT
         await _still_correct(peers)
 

@@ -409,6 +409,51 @@ async def test_rogue_neighbour_during_a_collective_changes_nothing() -> None:
             assert t.eq(6.0).all()
 
 
+@pytest.mark.parametrize("collective", ["all_gather", "all_reduce", "broadcast"])
+async def test_no_rank_sends_another_ranks_credential(collective: str) -> None:
+    # A ring's opening message carries the sender's credential and, where
+    # it can, its first chunk (intake.py, [Note: the opening message]). A
+    # rank that forwards that chunk frames it anew: else the right
+    # neighbour would hold the left's credential, and could pass for it.
+    # Every message every rank sends is looked at.
+    async with fg.testing.local_group(4, timeouts=FAST) as peers:
+        nonces = {peer.rank: peer._ctx.nonce for peer in peers}
+        carried: list[tuple[int, str]] = []
+        for peer in peers:
+
+            def look(dst: int, message: bytes, rank: int = peer.rank) -> bytes:
+                header, _ = wire.decode(message)
+                if header.nonce:
+                    carried.append((rank, header.nonce))
+                return message
+
+            peer._ctx.transport.send_hook = look
+        n = 1 << 18  # several chunks a rank
+        inputs = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(4)]
+        if collective == "all_gather":
+            outs = [torch.empty(4 * n) for _ in peers]
+            await asyncio.gather(
+                *(
+                    p.all_gather_into_tensor(o, t)
+                    for p, o, t in zip(peers, outs, inputs, strict=True)
+                )
+            )
+            expected = torch.cat(inputs)
+        elif collective == "all_reduce":
+            outs = [t.clone() for t in inputs]
+            await asyncio.gather(*(p.all_reduce(o) for p, o in zip(peers, outs, strict=True)))
+            expected = torch.stack([t.double() for t in inputs]).sum(0).float()
+        else:
+            outs = [t.clone() for t in inputs]
+            await asyncio.gather(*(p.broadcast(o, 2) for p, o in zip(peers, outs, strict=True)))
+            expected = inputs[2]
+        for out in outs:
+            torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-5)
+        assert {rank for rank, _ in carried} >= {2}, "no opening was seen"
+        strangers = [(rank, nonce) for rank, nonce in carried if nonce != nonces[rank]]
+        assert not strangers, f"ranks sent credentials not their own: {strangers[:3]}"
+
+
 def _certificates(tmp: str) -> tuple[fg.TLSConfig, fg.TLSConfig]:
     """A CA, a peer certificate signed by it, and a stranger's certificate."""
 

@@ -54,3 +54,17 @@ def test_encode_round_trips(nbytes: int) -> None:
     payload = bytes(range(256)) * (nbytes // 256) + bytes(nbytes % 256)
     header = _header(has_checksum=True, checksum=12345)
     _check(wire.encode(header, payload), header, payload)
+
+
+def test_header_bytes_reads_the_length_only() -> None:
+    header = pb.ChunkHeader(seq=7, src_rank=1, nonce="n" * 40)
+    header.descriptor.numel = 10
+    bare = wire.encode(header)
+    framed = wire.encode(header, b"\x01" * 5000)
+    size = len(header.SerializeToString())
+    assert wire.header_bytes(bare) == size
+    assert wire.header_bytes(framed) == size  # the payload is not counted
+    # Another layout, or garbage: the whole message counts.
+    other = pb.Chunk(header=header, payload=b"\x02" * 10).SerializeToString()[::-1]
+    assert wire.header_bytes(other) == len(other)
+    assert wire.header_bytes(b"\x0a\xff") == 2  # a truncated length

@@ -33,7 +33,7 @@ from .context import RankContext
 from .descriptor import describe_mismatch
 from .jobs import Job
 from .reducers import REDUCERS, Reducer
-from .schedule import COPY, REDUCE, LanePlan
+from .schedule import COPY, REDUCE, LanePlan, SendItem
 
 # Forwarded messages a lane may hold ready for its sender (see LaneRunner):
 # at most this many, and at most this many bytes (but one message at least).
@@ -183,18 +183,22 @@ class LaneRunner:
         opening = self._header()
         opening.descriptor.CopyFrom(self.job.descriptor)
         opening.nonce = ctx.nonce
-        # The descriptor goes first, on its own (intake.py). gRPC reports a
-        # write done only once its own threads have passed it back (0.3-4 ms
-        # on this 2-core machine, the link idle meanwhile), and takes one
-        # write at a time: so the first chunk is framed while the
-        # descriptor's write completes, not after.
-        described = asyncio.ensure_future(self._write(stream, wire.encode(opening), 0))
+        # The descriptor opens the stream, in the same message as the first
+        # chunk where that chunk is this rank's own data, ready now (see
+        # [Note: the opening message] in intake.py); else on its own, the
+        # chunks after it. gRPC reports a write done only once its own
+        # threads have passed it back (0.3-4 ms on this 2-core machine), and
+        # takes one write at a time: so the next chunk is framed while the
+        # opening's write completes, not after.
+        first = self._opening_chunk(opening)
+        message = wire.encode(opening) if first is None else first
+        described = asyncio.ensure_future(self._write(stream, message, 0))
         self._described = described
-        # A failed descriptor fails the sender at once, even while it waits
+        # A failed opening fails the sender at once, even while it waits
         # for a chunk to forward.
         described.add_done_callback(self._on_described)
-        await asyncio.sleep(0)  # (the descriptor's write starts)
-        await self._send_chunks(stream, described)
+        await asyncio.sleep(0)  # (the opening's write starts)
+        await self._send_chunks(stream, described, 0 if first is None else 1)
         await described
         self._described = None
         # End the stream with end markers, the first only once everything
@@ -222,15 +226,45 @@ class LaneRunner:
         if error is not None:
             self.received.fail(error)
 
-    async def _send_chunks(self, stream: OutStream, described: asyncio.Future[None]) -> None:
-        """Send the plan's chunks, the first once ``described`` (the
-        descriptor's write) is done."""
-        header = self._header()
-        flat = self.job.buffer
+    def _opening_chunk(self, opening: pb.ChunkHeader) -> bytes | None:
+        """The plan's first chunk framed with ``opening`` (the descriptor
+        and this rank's credential) in its header, if it is this rank's own
+        data and ready now; else None."""
+        if not self.plan.sends or self.job.stage is not None:
+            return None
+        item = self.plan.sends[0]
+        if item.after > 0 or item.from_recv >= 0:
+            return None
+        message = self._own_message(opening, item)
+        self.ctx.stats.sent(self.right, (item.hi - item.lo) * self.wire_itemsize)
+        return message
+
+    def _own_message(self, header: pb.ChunkHeader, item: SendItem) -> bytes:
+        """The message carrying ``item`` from this rank's buffer."""
+        data = self.job.buffer[item.lo : item.hi]
+        header.step = item.step
+        header.chunk_index = item.chunk
+        header.offset = item.lo
+        if self.wire is not None:
+            # An all-gather's own block: as every other rank gets it.
+            return self._narrowed_message(header, data, self.job.kind == pb.ALL_GATHER)
+        payload = bytes_view(data)
         checksum = self.ctx.checksum
+        if checksum is not None:
+            header.checksum = checksum(payload)
+            header.has_checksum = True
+        return wire.encode(header, payload)
+
+    async def _send_chunks(
+        self, stream: OutStream, described: asyncio.Future[None], sent: int
+    ) -> None:
+        """Send the plan's chunks after the first ``sent`` (the opening
+        message carried those), the first once ``described`` (the opening's
+        write) is done."""
+        header = self._header()
         stage = self.job.stage
         stats = self.ctx.stats
-        for item in self.plan.sends:
+        for item in self.plan.sends[sent:]:
             if item.after > self.received.value:
                 await self.received.wait_for(item.after)
             message = self.outgoing.pop(item.from_recv, None)
@@ -238,19 +272,7 @@ class LaneRunner:
                 # Read from this rank's own data (or a finished segment).
                 if stage is not None:
                     await stage.ready(item.lo, item.hi)
-                data = flat[item.lo : item.hi]
-                header.step = item.step
-                header.chunk_index = item.chunk
-                header.offset = item.lo
-                if self.wire is not None:
-                    # An all-gather's own block: as every other rank gets it.
-                    message = self._narrowed_message(header, data, self.job.kind == pb.ALL_GATHER)
-                else:
-                    payload = bytes_view(data)
-                    if checksum is not None:
-                        header.checksum = checksum(payload)
-                        header.has_checksum = True
-                    message = wire.encode(header, payload)
+                message = self._own_message(header, item)
             if not described.done():
                 await described
             await self._write(stream, message, item.step)
@@ -460,6 +482,8 @@ class LaneRunner:
             # it waits for the right neighbour's receiver would close a cycle
             # around the ring.
             hold = index in self.forwards and len(self.outgoing) < self.hold_limit
+            if hold and index == 0 and header.HasField("descriptor"):
+                hold = False  # the opening message: it carries the left's credential
             if item.action == COPY:
                 if incoming is not None:
                     flat[item.lo : item.hi].copy_(incoming)

@@ -28,8 +28,17 @@ from ..transport import wire
 from ..transport.streams import InStream
 from ..v1 import collective_pb2 as pb
 
-# A stream opens with a header carrying only a descriptor and the sender's
-# credential (about a hundred bytes); anything longer is refused unread.
+# [Note: the opening message]
+# A stream opens with a header carrying a descriptor and the sender's
+# credential (about a hundred bytes). A ring's opening also carries its first
+# chunk where that is the sender's own data, ready at once (ring.py's
+# _send): a separate descriptor would leave the link idle until gRPC
+# reported its write done, every collective. The intake judges the header
+# alone (a header longer than FIRST_MESSAGE_MAX is refused unparsed), then
+# hands the collective a stream whose first read returns that message
+# again, to be checked and consumed as its first chunk. A received opening
+# is never forwarded as it is (ring.py's _consume): it carries the left
+# neighbour's credential.
 FIRST_MESSAGE_MAX = 4096
 
 
@@ -62,6 +71,19 @@ class Session:
     senders: frozenset[int] = frozenset()
 
 
+class _Replayed:
+    """A stream whose opening message carried its first chunk: that message
+    is read again, first, as the chunk it also is."""
+
+    def __init__(self, first: bytes, stream: InStream) -> None:
+        self._first: bytes | None = first
+        self._stream = stream
+
+    async def read(self) -> bytes | None:
+        first, self._first = self._first, None
+        return first if first is not None else await self._stream.read()
+
+
 class Intake:
     """The rank's StreamHandler (see the module docstring)."""
 
@@ -86,16 +108,19 @@ class Intake:
 
     async def handle_stream(self, first: bytes, stream: InStream, origin: str) -> None:
         # Judged before anything else (before the rendezvous is even done):
-        # a stream that does not open with a bare descriptor is refused
-        # without reading more of it.
-        if len(first) > FIRST_MESSAGE_MAX:
+        # a stream that does not open with a descriptor is refused (see
+        # [Note: the opening message]).
+        if wire.header_bytes(first) > FIRST_MESSAGE_MAX:
             raise ProtocolError(
-                f"stream from {origin} opens with a {len(first)}-byte message; a stream opens "
-                f"with a descriptor of at most {FIRST_MESSAGE_MAX} bytes"
+                f"stream from {origin} opens with a header longer than {FIRST_MESSAGE_MAX} "
+                "bytes; a stream opens with a descriptor"
             )
         header, payload = wire.decode(first)
-        if not header.HasField("descriptor") or payload.nbytes:
+        if not header.HasField("descriptor"):
             raise ProtocolError(f"stream from {origin} does not start with a descriptor")
+        if payload.nbytes:
+            # Its first chunk came with it: the collective reads it first.
+            stream = _Replayed(first, stream)
         s = await self._session
         if header.group != self.group or header.src_rank >= s.world_size:
             raise ProtocolError(

@@ -10,6 +10,7 @@ wrote in another valid field order still decodes, through the slow path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import warnings
 
@@ -132,6 +133,17 @@ class Frame:
         ctypes.memmove(self._address, prefix, len(prefix))
         message, self._message = self._message, b""
         return message
+
+
+def header_bytes(message: bytes) -> int:
+    """How long the header of a message framed here says it is, without
+    parsing it; for a message in another layout (or garbage), its whole
+    length."""
+    buf = memoryview(message)
+    if len(buf) >= 2 and buf[0] == _HEADER_TAG:
+        with contextlib.suppress(ValueError):
+            return _read_varint(buf, 1)[0]
+    return len(buf)
 
 
 def decode(message: bytes) -> tuple[pb.ChunkHeader, memoryview]:
