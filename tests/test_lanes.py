@@ -8,6 +8,7 @@ Every result is checked against a float64 sum of the inputs."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 import grpc
@@ -18,6 +19,7 @@ import torch
 import ferrogrpc as fg
 from ferrogrpc.transport import grpc_streams, wire
 from ferrogrpc.transport.grpc_streams import LANE_METHOD, TOKEN_METADATA_KEY
+from ferrogrpc.transport.streams import Replayed
 from ferrogrpc.v1 import collective_pb2 as pb
 from tests.helpers import reference_sum
 
@@ -203,12 +205,12 @@ class _SlowReader:
         self.read: list[bytes] = []
         self.ended: list[str] = []
 
-    async def handle_stream(self, first: bytes, stream: Any, origin: str) -> None:
-        self.read.append(first)
+    async def handle_stream(self, stream: Any, origin: str) -> None:
+        self.read.append(await stream.read())  # the opening
         await asyncio.sleep(self.delay)
         while (message := await stream.read()) is not None:
             self.read.append(message)
-        self.ended.append("cut" if getattr(stream, "cut", False) else "clean")
+        self.ended.append("cut" if getattr(stream.rest, "cut", False) else "clean")
 
     async def handle_abort(self, message: bytes) -> None:
         pass
@@ -241,3 +243,23 @@ async def test_a_stream_ended_in_the_background_lands_before_its_transport_close
     finally:
         await sender.close()
         await receiver.close()
+
+
+async def test_a_replayed_opening_is_read_first_and_then_let_go() -> None:
+    # The transport puts a stream's opening back in front of it for the
+    # intake; a ring's opening carries its first chunk, which must not stay
+    # alive (in the stream the collective holds) once read.
+    class Rest:
+        def __init__(self) -> None:
+            self.left = [b"second", None]
+
+        async def read(self) -> bytes | None:
+            return self.left.pop(0)
+
+    opening = bytes(1 << 20)
+    stream = Replayed(opening, Rest())
+    before = sys.getrefcount(opening)
+    assert await stream.read() is opening
+    assert sys.getrefcount(opening) == before - 1  # the stream holds it no more
+    assert await stream.read() == b"second"
+    assert await stream.read() is None

@@ -482,12 +482,11 @@ class LaneRunner:
             # it waits for the right neighbour's receiver would close a cycle
             # around the ring.
             hold = index in self.forwards and len(self.outgoing) < self.hold_limit
-            if hold and index == 0 and header.HasField("descriptor"):
-                hold = False  # the opening message: it carries the left's credential
             if item.action == COPY:
                 if incoming is not None:
                     flat[item.lo : item.hi].copy_(incoming)
-                if hold:
+                # (Never the opening as it is: it carries the left's credential.)
+                if hold and not (index == 0 and header.HasField("descriptor")):
                     self.outgoing[index] = message
             elif item.action == REDUCE and (hold or not self.in_place):
                 # A partial sum is only ever forwarded. Out of place there is

@@ -25,7 +25,7 @@ from ..algorithms.mailboxes import P2P_KEY, Mailboxes, MailboxKey, copy_refusal
 from ..errors import ProtocolError
 from ..failure.policy import FailurePolicy
 from ..transport import wire
-from ..transport.streams import InStream
+from ..transport.streams import InStream, Replayed
 from ..v1 import collective_pb2 as pb
 
 # [Note: the opening message]
@@ -71,19 +71,6 @@ class Session:
     senders: frozenset[int] = frozenset()
 
 
-class _Replayed:
-    """A stream whose opening message carried its first chunk: that message
-    is read again, first, as the chunk it also is."""
-
-    def __init__(self, first: bytes, stream: InStream) -> None:
-        self._first: bytes | None = first
-        self._stream = stream
-
-    async def read(self) -> bytes | None:
-        first, self._first = self._first, None
-        return first if first is not None else await self._stream.read()
-
-
 class Intake:
     """The rank's StreamHandler (see the module docstring)."""
 
@@ -106,10 +93,13 @@ class Intake:
                 "session credential; refused"
             )
 
-    async def handle_stream(self, first: bytes, stream: InStream, origin: str) -> None:
+    async def handle_stream(self, stream: InStream, origin: str) -> None:
         # Judged before anything else (before the rendezvous is even done):
         # a stream that does not open with a descriptor is refused (see
         # [Note: the opening message]).
+        first = await stream.read()
+        if not first:
+            raise ProtocolError(f"stream from {origin} is empty")
         if wire.header_bytes(first) > FIRST_MESSAGE_MAX:
             raise ProtocolError(
                 f"stream from {origin} opens with a header longer than {FIRST_MESSAGE_MAX} "
@@ -119,8 +109,10 @@ class Intake:
         if not header.HasField("descriptor"):
             raise ProtocolError(f"stream from {origin} does not start with a descriptor")
         if payload.nbytes:
-            # Its first chunk came with it: the collective reads it first.
-            stream = _Replayed(first, stream)
+            # Its first chunk came with it: the collective reads it first,
+            # and holds it only until then.
+            stream = Replayed(first, stream)
+        del first, payload
         s = await self._session
         if header.group != self.group or header.src_rank >= s.world_size:
             raise ProtocolError(

@@ -18,7 +18,7 @@ from ..v1 import collective_pb2 as pb
 from .auth import TOKEN_METADATA_KEY as TOKEN_METADATA_KEY  # clients' name for it
 from .auth import add_port, aio_channel, aio_server, interceptors, token_metadata
 from .grpc_errors import abort_with, detached, replied, reply_for, translate
-from .streams import InStream, OutStream, SendHook, StreamHandler, Transport
+from .streams import InStream, OutStream, Replayed, SendHook, StreamHandler, Transport
 
 SERVICE = "ferrogrpc.v1.Collective"
 SEND_METHOD = f"/{SERVICE}/Send"
@@ -384,7 +384,9 @@ class GrpcTransport(Transport):
                 refusal: FerroGrpcError | None = ProtocolError("empty stream")
                 stream.ended = True
             else:
-                refusal = await self._take(first, stream, origin)
+                opened = Replayed(first, stream)
+                del first  # (the handler holds the opening only while it needs it)
+                refusal = await self._take(opened, origin)
             if refusal is not None:
                 await context.write(reply_for(refusal))  # at once: the sender stops
                 await stream.drain()
@@ -414,16 +416,18 @@ class GrpcTransport(Transport):
             first = await iterator.__anext__()
         except StopAsyncIteration:
             return ProtocolError("empty stream")
-        return await self._take(first, _GrpcInStream(iterator), origin)
+        opened = Replayed(first, _GrpcInStream(iterator))
+        del first
+        return await self._take(opened, origin)
 
-    async def _take(self, first: bytes, stream: InStream, origin: str) -> FerroGrpcError | None:
+    async def _take(self, stream: InStream, origin: str) -> FerroGrpcError | None:
         """Hand a stream to the handler; the error to fail it with, if any.
         The error is returned rebuilt, without a traceback: grpc keeps the
         abort's exception while the client holds the call open, and the
         traceback's frames would keep the refused message alive with it."""
         assert self._handler is not None
         try:
-            await self._handler.handle_stream(first, stream, origin)
+            await self._handler.handle_stream(stream, origin)
         except FerroGrpcError as exc:
             return detached(exc)
         except (ValueError, TypeError, OverflowError, IndexError, KeyError) as exc:

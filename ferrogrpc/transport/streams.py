@@ -55,10 +55,26 @@ class OutStream(Protocol):
     def cancel(self) -> None: ...
 
 
+class Replayed:
+    """A stream with a message put in front of it: ``read()`` returns
+    ``first``, then what ``rest`` has. The message is dropped once read, so
+    that whoever holds the stream does not hold it too."""
+
+    def __init__(self, first: bytes, rest: InStream) -> None:
+        self._first: bytes | None = first
+        self.rest = rest
+
+    async def read(self) -> bytes | None:
+        first, self._first = self._first, None
+        return first if first is not None else await self.rest.read()
+
+
 class StreamHandler(Protocol):
-    async def handle_stream(self, first: bytes, stream: InStream, origin: str) -> None:
-        """Take an incoming stream; return once it has been consumed. Raising
-        FerroGrpcError fails the stream at the sender with that message."""
+    async def handle_stream(self, stream: InStream, origin: str) -> None:
+        """Take an incoming stream, whose first message (its opening) is
+        there to read; return once it has been consumed. Raising
+        FerroGrpcError fails the stream at the sender with that message.
+        The transport keeps no reference to the messages it hands over."""
         ...
 
     async def handle_abort(self, message: bytes) -> None: ...
@@ -162,7 +178,7 @@ class _MemoryOutStream:
                 raise PeerError(f"sending: rank {self._dst} is not serving", peer=self._dst)
             self._stream = _MemoryInStream(self._window)
             self._task = asyncio.ensure_future(
-                handler.handle_stream(message, self._stream, "memory")
+                handler.handle_stream(Replayed(message, self._stream), "memory")
             )
             return
         assert self._stream is not None
