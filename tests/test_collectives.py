@@ -75,6 +75,33 @@ async def test_large_float64_all_reduce_default_policy(world: int, transport: st
             torch.testing.assert_close(t, ref, atol=1e-12, rtol=1e-12)
 
 
+async def test_rings_where_some_ranks_send_empty_chunks() -> None:
+    # Past SMALL_WORLD ranks every collective is a ring, and a tensor with
+    # fewer elements than ranks leaves some ranks empty chunks to send: the
+    # first of them too, which then travels on its own, not in the stream's
+    # opening (intake.py, [Note: the opening message]).
+    world = 17
+    async with fg.testing.local_group(world, transport="memory") as peers:
+        gen = torch.Generator().manual_seed(3)
+        for numel in (3, world + 2):
+            inputs = [torch.randn(numel, generator=gen) for _ in range(world)]
+            tensors = [t.clone() for t in inputs]
+            await asyncio.gather(*(p.all_reduce(t) for p, t in zip(peers, tensors, strict=True)))
+            ref = reference_sum(inputs).float()
+            for t in tensors:
+                torch.testing.assert_close(t, ref, atol=1e-5, rtol=1e-6)
+            roots = [t.clone() for t in inputs]
+            await asyncio.gather(*(p.broadcast(t, 16) for p, t in zip(peers, roots, strict=True)))
+            for t in roots:
+                assert torch.equal(t, inputs[16])
+        # A reduce-scatter of fewer elements than ranks: some parts are empty.
+        ins = [torch.randn(6, generator=gen) for _ in range(world)]
+        outs = await asyncio.gather(*(p.reduce_scatter(i) for p, i in zip(peers, ins, strict=True)))
+        parts = torch.tensor_split(reference_sum(ins).float(), world)
+        for out, part in zip(outs, parts, strict=True):
+            torch.testing.assert_close(out, part, atol=1e-5, rtol=1e-6)
+
+
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
 async def test_sixteen_concurrent_all_reduces_on_four_ranks(transport: str) -> None:
     sizes = [

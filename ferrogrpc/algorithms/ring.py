@@ -233,7 +233,9 @@ class LaneRunner:
         if not self.plan.sends or self.job.stage is not None:
             return None
         item = self.plan.sends[0]
-        if item.after > 0 or item.from_recv >= 0:
+        if item.after > 0 or item.from_recv >= 0 or item.hi <= item.lo:
+            # (An empty chunk stays a message of its own: an opening carries
+            # a chunk exactly when it carries a payload.)
             return None
         message = self._own_message(opening, item)
         self.ctx.stats.sent(self.right, (item.hi - item.lo) * self.wire_itemsize)
