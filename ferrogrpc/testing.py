@@ -142,7 +142,7 @@ class FaultKind(enum.Enum):
     """What an injected fault does to a rank's outgoing chunks."""
 
     CORRUPT_PAYLOAD = "corrupt_payload"  # flip one payload byte in flight
-    WRONG_SEQ = "wrong_seq"  # rewrite the header's sequence number
+    WRONG_SEQ = "wrong_seq"  # rewrite a chunk's sequence number (not a ring stream's opening)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +166,11 @@ class Fault:
         def apply(dst: int, message: bytes) -> bytes:
             header, payload = decode(message)
             if payload.nbytes == 0:
-                return message  # a stream's opening or end marker, a link's hello, an abort
+                return message  # a bare opening, an end marker, a link's hello, an abort
+            if self.kind is FaultKind.WRONG_SEQ and header.nonce:
+                # A ring's opening carrying its first chunk: its seq names
+                # the collective the whole stream is for (another fault).
+                return message
             if self.collective is not None and kind_name(header.kind) != self.collective:
                 return message
             index = seen[0]

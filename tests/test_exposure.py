@@ -22,10 +22,11 @@ import pytest
 import torch
 
 import ferrogrpc as fg
+from ferrogrpc.algorithms.mailboxes import Mailboxes
 from ferrogrpc.control.rendezvous import LocalRendezvous, RendezvousResult, StoreRendezvous
 from ferrogrpc.env import Settings
 from ferrogrpc.errors import Identity
-from ferrogrpc.runtime.intake import credential
+from ferrogrpc.runtime.intake import Intake, credential
 from ferrogrpc.runtime.join import message_limit
 from ferrogrpc.samehost.plane import _FRAME, HELLO, LocalPlane, _socket_name
 from ferrogrpc.transport import wire
@@ -37,6 +38,7 @@ from ferrogrpc.transport.grpc_streams import (
     SEND_METHOD,
     GrpcTransport,
 )
+from ferrogrpc.transport.streams import Replayed
 from ferrogrpc.v1 import collective_pb2 as pb
 from tests.helpers import ServedJob, free_port, memory_of, reset_peak
 
@@ -385,14 +387,38 @@ async def test_the_receive_limit_follows_the_chunk_policy() -> None:
         long.CopyFrom(opening)
         long.nonce = "x" * 5000
         no_descriptor = pb.ChunkHeader(src_rank=0, seq=99)
+        # A short header field and then a long one (protobuf merges them).
+        small, big = (h.SerializeToString() for h in (pb.ChunkHeader(src_rank=0), long))
+        merged = b"\x0a" + wire._varint(len(small)) + small + b"\x0a" + wire._varint(len(big)) + big
         for first in (
             wire.encode(opening, bytes(5000)),
             wire.encode(opening, b"data"),
             wire.encode(long),
             wire.encode(no_descriptor, b"data"),
+            merged,
         ):
             assert await _send(target, [first, first]) == grpc.StatusCode.INVALID_ARGUMENT
         await _still_correct(peers)
+
+
+async def test_before_the_rendezvous_an_opening_is_held_only_if_small() -> None:
+    # Its credential cannot be checked yet: held, an opening is as small as
+    # a bare descriptor; a big first chunk is refused at once.
+    class Rest:
+        async def read(self) -> bytes | None:
+            return None
+
+    intake = Intake(Mailboxes())  # no rendezvous yet
+    opening = pb.ChunkHeader(src_rank=0, seq=1, nonce="n" * 32)
+    opening.descriptor.CopyFrom(pb.Descriptor(kind=pb.ALL_REDUCE, numel=2048, world_size=2))
+    with pytest.raises(fg.ProtocolError, match="before this rank's rendezvous"):
+        await intake.handle_stream(Replayed(wire.encode(opening, bytes(8192)), Rest()), "x")
+    held = asyncio.ensure_future(
+        intake.handle_stream(Replayed(wire.encode(opening, bytes(64)), Rest()), "x")
+    )
+    await asyncio.sleep(0.2)
+    assert not held.done()
+    held.cancel()
 
 
 def test_where_the_store_binds_follows_what_master_addr_names() -> None:

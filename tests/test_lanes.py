@@ -8,6 +8,7 @@ Every result is checked against a float64 sum of the inputs."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import ferrogrpc as fg
+from ferrogrpc.algorithms import ring as lane
 from ferrogrpc.transport import grpc_streams, wire
 from ferrogrpc.transport.grpc_streams import LANE_METHOD, TOKEN_METADATA_KEY
 from ferrogrpc.transport.streams import Replayed
@@ -263,3 +265,56 @@ async def test_a_replayed_opening_is_read_first_and_then_let_go() -> None:
     assert sys.getrefcount(opening) == before - 1  # the stream holds it no more
     assert await stream.read() == b"second"
     assert await stream.read() is None
+
+
+@pytest.mark.parametrize("transport", ["memory", "grpc"])
+async def test_no_one_keeps_a_rings_opening_until_its_end(
+    transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A ring's opening carries its first chunk (up to a whole chunk, 4 MiB
+    # by default): neither its sender, nor the transport, nor the receiving
+    # intake may keep it for the rest of the collective. Who holds the
+    # first opening is looked at when everything has been sent and
+    # received, and the end markers are going round.
+    openings: list[bytes] = []
+    owner: list[lane.LaneRunner] = []
+    holders: list[list[str]] = []
+    framed = lane.LaneRunner._opening_chunk
+    write = lane.LaneRunner._write
+
+    def recorded(self: lane.LaneRunner, opening: Any) -> bytes | None:
+        message = framed(self, opening)
+        if message is not None and not openings:
+            openings.append(message)
+            owner.append(self)
+        return message
+
+    async def looked_at(self: lane.LaneRunner, stream: Any, message: bytes, step: int) -> None:
+        header, _ = wire.decode(message)
+        # (The sender's own frame is seen only while it waits: so when its
+        # left neighbour, which it waits for, writes its first end marker.)
+        if (
+            header.end == 1
+            and owner
+            and self.right == owner[0].ctx.identity.rank
+            and self.job.seq == owner[0].job.seq
+            and not holders
+        ):
+            gc.collect()
+            found = [
+                getattr(getattr(r, "cr_code", None), "co_qualname", type(r).__name__)
+                for r in gc.get_referrers(openings[0])
+                if r is not openings
+            ]
+            holders.append(found)
+        await write(self, stream, message, step)
+
+    monkeypatch.setattr(lane.LaneRunner, "_opening_chunk", recorded)
+    monkeypatch.setattr(lane.LaneRunner, "_write", looked_at)
+    policy = fg.ChunkPolicy(max_lanes=1)
+    async with fg.testing.local_group(3, transport=transport, chunk_policy=policy) as peers:  # type: ignore[arg-type]
+        tensors = [torch.full((3 << 20,), float(r)) for r in range(3)]
+        await asyncio.gather(*(p.all_reduce(t) for p, t in zip(peers, tensors, strict=True)))
+        assert all(bool(t.eq(3.0).all()) for t in tensors)
+    assert openings and len(openings[0]) > 1 << 20, "no opening carried a chunk"
+    assert holders == [[]], f"the opening was still held by {holders}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ferrogrpc.errors import ProtocolError
 from ferrogrpc.transport import wire
 from ferrogrpc.v1 import collective_pb2 as pb
 
@@ -56,15 +57,28 @@ def test_encode_round_trips(nbytes: int) -> None:
     _check(wire.encode(header, payload), header, payload)
 
 
-def test_header_bytes_reads_the_length_only() -> None:
+def test_an_opening_is_decoded_only_in_the_framed_layout() -> None:
     header = pb.ChunkHeader(seq=7, src_rank=1, nonce="n" * 40)
     header.descriptor.numel = 10
-    bare = wire.encode(header)
-    framed = wire.encode(header, b"\x01" * 5000)
-    size = len(header.SerializeToString())
-    assert wire.header_bytes(bare) == size
-    assert wire.header_bytes(framed) == size  # the payload is not counted
-    # Another layout, or garbage: the whole message counts.
-    other = pb.Chunk(header=header, payload=b"\x02" * 10).SerializeToString()[::-1]
-    assert wire.header_bytes(other) == len(other)
-    assert wire.header_bytes(b"\x0a\xff") == 2  # a truncated length
+    for payload in (b"", b"\x01" * 5000):
+        got, view = wire.decode_opening(wire.encode(header, payload), 4096)
+        assert got == header and bytes(view) == payload
+    # A header over the bound is refused from its length, unparsed.
+    long = pb.ChunkHeader()
+    long.CopyFrom(header)
+    long.nonce = "x" * 5000
+    with pytest.raises(ProtocolError, match="header of 50"):
+        wire.decode_opening(wire.encode(long), 4096)
+    # Any other layout is refused, though decode() reads it: a tiny first
+    # header field and a long second one (protobuf merges them), or the
+    # payload first.
+    small = pb.ChunkHeader(src_rank=0).SerializeToString()
+    big = long.SerializeToString()
+    two = b"\x0a" + wire._varint(len(small)) + small + b"\x0a" + wire._varint(len(big)) + big
+    assert wire.decode(two)[0].nonce == long.nonce
+    reordered = pb.Chunk(header=header, payload=b"\x02" * 10).SerializeToString()
+    reordered = reordered[-12:] + reordered[:-12]  # the payload field first
+    assert wire.decode(reordered)[0] == header
+    for message in (two, reordered, b"\x0a\xff", b"garbage"):
+        with pytest.raises(ProtocolError):
+            wire.decode_opening(message, 4096)

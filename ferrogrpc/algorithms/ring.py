@@ -191,14 +191,17 @@ class LaneRunner:
         # takes one write at a time: so the next chunk is framed while the
         # opening's write completes, not after.
         first = self._opening_chunk(opening)
-        message = wire.encode(opening) if first is None else first
-        described = asyncio.ensure_future(self._write(stream, message, 0))
+        sent = 0 if first is None else 1
+        described = asyncio.ensure_future(
+            self._write(stream, wire.encode(opening) if first is None else first, 0)
+        )
+        del first  # (gRPC copies it; the first chunk is not held for the whole collective)
         self._described = described
         # A failed opening fails the sender at once, even while it waits
         # for a chunk to forward.
         described.add_done_callback(self._on_described)
         await asyncio.sleep(0)  # (the opening's write starts)
-        await self._send_chunks(stream, described, 0 if first is None else 1)
+        await self._send_chunks(stream, described, sent)
         await described
         self._described = None
         # End the stream with end markers, the first only once everything

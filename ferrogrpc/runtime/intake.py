@@ -34,7 +34,9 @@ from ..v1 import collective_pb2 as pb
 # chunk where that is the sender's own data, ready at once (ring.py's
 # _send): a separate descriptor would leave the link idle until gRPC
 # reported its write done, every collective. The intake judges the header
-# alone (a header longer than FIRST_MESSAGE_MAX is refused unparsed), then
+# alone (only in wire.encode's layout; a header longer than
+# FIRST_MESSAGE_MAX is refused unparsed; before the rendezvous, so is a
+# first chunk longer than that), then
 # hands the collective a stream whose first read returns that message
 # again, to be checked and consumed as its first chunk. A received opening
 # is never forwarded as it is (ring.py's _consume): it carries the left
@@ -100,14 +102,23 @@ class Intake:
         first = await stream.read()
         if not first:
             raise ProtocolError(f"stream from {origin} is empty")
-        if wire.header_bytes(first) > FIRST_MESSAGE_MAX:
+        try:
+            header, payload = wire.decode_opening(first, FIRST_MESSAGE_MAX)
+        except ProtocolError as exc:
             raise ProtocolError(
-                f"stream from {origin} opens with a header longer than {FIRST_MESSAGE_MAX} "
-                "bytes; a stream opens with a descriptor"
-            )
-        header, payload = wire.decode(first)
+                f"stream from {origin} opens with {exc.message}; a stream opens with a descriptor"
+            ) from None
         if not header.HasField("descriptor"):
             raise ProtocolError(f"stream from {origin} does not start with a descriptor")
+        if payload.nbytes > FIRST_MESSAGE_MAX and not self._session.done():
+            # Held until the rendezvous is done, an opening stays as small as
+            # a bare one: no collective of any size can have started on
+            # another rank yet (each first waits for this one in its ring
+            # check), so a first chunk this big comes from no member.
+            raise ProtocolError(
+                f"stream from {origin} opens with a {payload.nbytes}-byte chunk before this "
+                "rank's rendezvous is done; refused"
+            )
         if payload.nbytes:
             # Its first chunk came with it: the collective reads it first,
             # and holds it only until then.

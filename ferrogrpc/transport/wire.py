@@ -10,7 +10,6 @@ wrote in another valid field order still decodes, through the slow path.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import warnings
 
@@ -135,17 +134,6 @@ class Frame:
         return message
 
 
-def header_bytes(message: bytes) -> int:
-    """How long the header of a message framed here says it is, without
-    parsing it; for a message in another layout (or garbage), its whole
-    length."""
-    buf = memoryview(message)
-    if len(buf) >= 2 and buf[0] == _HEADER_TAG:
-        with contextlib.suppress(ValueError):
-            return _read_varint(buf, 1)[0]
-    return len(buf)
-
-
 def decode(message: bytes) -> tuple[pb.ChunkHeader, memoryview]:
     """Split a received message into its header and a zero-copy payload view.
 
@@ -154,24 +142,55 @@ def decode(message: bytes) -> tuple[pb.ChunkHeader, memoryview]:
     """
     buf = memoryview(message)
     try:
-        if len(buf) >= 2 and buf[0] == _HEADER_TAG:
-            hlen, pos = _read_varint(buf, 1)
-            hend = pos + hlen
-            if hend <= len(buf):
-                header = pb.ChunkHeader.FromString(buf[pos:hend])  # type: ignore[arg-type]
-                if hend + 1 < len(buf) and buf[hend] == _PAD_TAG and buf[hend + 1] < 0x80:
-                    hend += 2 + buf[hend + 1]
-                if hend == len(buf):
-                    return header, buf[hend:]
-                if hend < len(buf) and buf[hend] == _PAYLOAD_TAG:
-                    plen, ppos = _read_varint(buf, hend + 1)
-                    if ppos + plen == len(buf):
-                        return header, buf[ppos:]
+        framed = _framed(buf)
+        if framed is not None:
+            (pos, hend), start = framed
+            header = pb.ChunkHeader.FromString(buf[pos:hend])  # type: ignore[arg-type]
+            return header, buf[start:]
         # Valid protobuf in another layout (or garbage): the general parser.
         chunk = pb.Chunk.FromString(message)
     except (DecodeError, ValueError) as exc:
         raise ProtocolError(f"undecodable chunk of {len(buf)} bytes: {exc}") from exc
     return chunk.header, memoryview(chunk.payload)
+
+
+def decode_opening(message: bytes, max_header: int) -> tuple[pb.ChunkHeader, memoryview]:
+    """:func:`decode` for a stream's first message, from a sender not yet
+    known: only in this module's own layout (one header field, then the
+    payload's), and a header of at most ``max_header`` bytes, its length
+    read before anything is parsed. Raises ProtocolError otherwise."""
+    buf = memoryview(message)
+    try:
+        framed = _framed(buf)
+        if framed is None:
+            raise ProtocolError("not a header followed by its payload")
+        (pos, hend), start = framed
+        if hend - pos > max_header:
+            raise ProtocolError(f"a header of {hend - pos} bytes (at most {max_header})")
+        return pb.ChunkHeader.FromString(buf[pos:hend]), buf[start:]  # type: ignore[arg-type]
+    except (DecodeError, ValueError) as exc:
+        raise ProtocolError(f"an undecodable header: {exc}") from exc
+
+
+def _framed(buf: memoryview) -> tuple[tuple[int, int], int] | None:
+    """Where the header lies, and where the payload starts, in a message of
+    the layout :func:`encode` writes (the header field, an optional pad
+    field, the payload field or nothing); None for any other layout."""
+    if len(buf) < 2 or buf[0] != _HEADER_TAG:
+        return None
+    hlen, pos = _read_varint(buf, 1)
+    hend = end = pos + hlen
+    if hend > len(buf):
+        return None
+    if end + 1 < len(buf) and buf[end] == _PAD_TAG and buf[end + 1] < 0x80:
+        end += 2 + buf[end + 1]
+    if end == len(buf):
+        return (pos, hend), end
+    if end < len(buf) and buf[end] == _PAYLOAD_TAG:
+        plen, ppos = _read_varint(buf, end + 1)
+        if ppos + plen == len(buf):
+            return (pos, hend), ppos
+    return None
 
 
 class Scratch:
