@@ -403,7 +403,8 @@ async def test_the_receive_limit_follows_the_chunk_policy() -> None:
 
 async def test_before_the_rendezvous_an_opening_is_held_only_if_small() -> None:
     # Its credential cannot be checked yet: held, an opening is as small as
-    # a bare descriptor; a big first chunk is refused at once.
+    # a bare descriptor; a big first chunk is refused at once, as is a link
+    # hello with any payload.
     class Rest:
         async def read(self) -> bytes | None:
             return None
@@ -413,6 +414,11 @@ async def test_before_the_rendezvous_an_opening_is_held_only_if_small() -> None:
     opening.descriptor.CopyFrom(pb.Descriptor(kind=pb.ALL_REDUCE, numel=2048, world_size=2))
     with pytest.raises(fg.ProtocolError, match="before this rank's rendezvous"):
         await intake.handle_stream(Replayed(wire.encode(opening, bytes(8192)), Rest()), "x")
+    # A link's hello never carries data (only a ring's opening does).
+    hello = pb.ChunkHeader(src_rank=0, nonce="n" * 32)
+    hello.descriptor.kind = pb.LINK
+    with pytest.raises(fg.ProtocolError, match="opens with a payload"):
+        await intake.handle_stream(Replayed(wire.encode(hello, b"x"), Rest()), "x")
     held = asyncio.ensure_future(
         intake.handle_stream(Replayed(wire.encode(opening, bytes(64)), Rest()), "x")
     )

@@ -110,6 +110,8 @@ class Intake:
             ) from None
         if not header.HasField("descriptor"):
             raise ProtocolError(f"stream from {origin} does not start with a descriptor")
+        if payload.nbytes and header.descriptor.kind == pb.LINK:
+            raise ProtocolError(f"link from {origin} opens with a payload")
         if payload.nbytes > FIRST_MESSAGE_MAX and not self._session.done():
             # Held until the rendezvous is done, an opening stays as small as
             # a bare one: no collective of any size can have started on
