@@ -36,11 +36,10 @@ from ..v1 import collective_pb2 as pb
 # reported its write done, every collective. The intake judges the header
 # alone (only in wire.encode's layout; a header longer than
 # FIRST_MESSAGE_MAX is refused unparsed; before the rendezvous, so is a
-# first chunk longer than that), then
-# hands the collective a stream whose first read returns that message
-# again, to be checked and consumed as its first chunk. A received opening
-# is never forwarded as it is (ring.py's _consume): it carries the left
-# neighbour's credential.
+# first chunk longer than that), then hands the collective a stream whose
+# first read returns that message again, to be checked and consumed as its
+# first chunk. A received opening is never forwarded as it is (ring.py's
+# _consume): it carries the left neighbour's credential.
 FIRST_MESSAGE_MAX = 4096
 
 
