@@ -318,3 +318,32 @@ async def test_no_one_keeps_a_rings_opening_until_its_end(
         assert all(bool(t.eq(3.0).all()) for t in tensors)
     assert openings and len(openings[0]) > 1 << 20, "no opening carried a chunk"
     assert holders == [[]], f"the opening was still held by {holders}"
+
+
+async def test_an_opening_whose_write_fails_is_not_counted_as_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The opening carries the ring's first chunk: its bytes count as sent
+    # (fg.testing.stats, the metrics) once its write is done, not when it is
+    # framed. Rank 0's opening write fails here: it sends nothing else, and
+    # nothing may be counted.
+    write = lane.LaneRunner._write
+
+    async def failing(self: lane.LaneRunner, stream: Any, message: bytes, step: int) -> None:
+        if self.ctx.identity.rank == 0 and wire.decode(message)[0].HasField("descriptor"):
+            raise fg.PeerError("the opening's write failed (injected)", rank=0, peer=1)
+        await write(self, stream, message, step)
+
+    monkeypatch.setattr(lane.LaneRunner, "_write", failing)
+    async with fg.testing.local_group(2, timeouts=FAST, direct=False) as peers:
+        before = fg.testing.stats(peers[0]).bytes_sent
+        tensors = [torch.ones(N) for _ in peers]
+        results = await asyncio.gather(
+            *(p.all_reduce(t) for p, t in zip(peers, tensors, strict=True)),
+            return_exceptions=True,
+        )
+        assert isinstance(results[0], fg.PeerError), results
+        assert "injected" in str(results[0])
+        assert fg.testing.stats(peers[0]).bytes_sent == before
+        # (The opening did carry a chunk: rank 1's, written, is counted.)
+        assert fg.testing.stats(peers[1]).bytes_sent > 0

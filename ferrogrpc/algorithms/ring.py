@@ -17,6 +17,7 @@ else.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -199,7 +200,7 @@ class LaneRunner:
         self._described = described
         # A failed opening fails the sender at once, even while it waits
         # for a chunk to forward.
-        described.add_done_callback(self._on_described)
+        described.add_done_callback(functools.partial(self._on_described, sent))
         await asyncio.sleep(0)  # (the opening's write starts)
         await self._send_chunks(stream, described, sent)
         await described
@@ -224,10 +225,13 @@ class LaneRunner:
         self.out = None
         stream.end()
 
-    def _on_described(self, described: asyncio.Future[None]) -> None:
+    def _on_described(self, carried: int, described: asyncio.Future[None]) -> None:
         error = None if described.cancelled() else described.exception()
         if error is not None:
             self.received.fail(error)
+        elif carried:  # the opening's chunk is sent once its write is done
+            item = self.plan.sends[0]
+            self.ctx.stats.sent(self.right, (item.hi - item.lo) * self.wire_itemsize)
 
     def _opening_chunk(self, opening: pb.ChunkHeader) -> bytes | None:
         """The plan's first chunk framed with ``opening`` (the descriptor
@@ -240,9 +244,7 @@ class LaneRunner:
             # (An empty chunk stays a message of its own: an opening carries
             # a chunk exactly when it carries a payload.)
             return None
-        message = self._own_message(opening, item)
-        self.ctx.stats.sent(self.right, (item.hi - item.lo) * self.wire_itemsize)
-        return message
+        return self._own_message(opening, item)
 
     def _own_message(self, header: pb.ChunkHeader, item: SendItem) -> bytes:
         """The message carrying ``item`` from this rank's buffer."""
