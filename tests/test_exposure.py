@@ -40,7 +40,7 @@ from ferrogrpc.transport.grpc_streams import (
 )
 from ferrogrpc.transport.streams import Replayed
 from ferrogrpc.v1 import collective_pb2 as pb
-from tests.helpers import ServedJob, free_port, memory_of, reset_peak
+from tests.helpers import ServedJob, free_port, memory_of, outsider_send, reset_peak
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,28 +55,6 @@ def _check_results(answers: list[str]) -> None:
     for rank, answer in enumerate(answers):
         word, error = answer.split()
         assert word == "OK" and float(error) < 1e-9, (rank, answer)
-
-
-async def _send(address: str, messages: list[bytes], token: str | None = None) -> grpc.StatusCode:
-    """One Send stream of ``messages`` from outside; the status it ends with.
-    Through grpc's synchronous client, in a thread: the asyncio client can
-    report its own INTERNAL in place of the server's status when one of its
-    writes loses the race with the answer (grpc/grpc#36066)."""
-
-    def send() -> grpc.StatusCode:
-        with grpc.insecure_channel(
-            address, options=[("grpc.max_send_message_length", -1)]
-        ) as channel:
-            call = channel.stream_unary(
-                SEND_METHOD, request_serializer=_identity, response_deserializer=_identity
-            )
-            try:
-                call(iter(messages), timeout=10, metadata=token_metadata(token))
-            except grpc.RpcError as exc:
-                return exc.code()
-            return grpc.StatusCode.OK
-
-    return await asyncio.to_thread(send)
 
 
 async def _flood(
@@ -273,7 +251,7 @@ async def test_without_a_token_a_nonce_is_the_credential() -> None:
         # A guess is refused, for streams and aborts alike; the group is intact.
         opening = pb.ChunkHeader(src_rank=0, seq=99, nonce="0" * 32)
         opening.descriptor.CopyFrom(descriptor)
-        status = await _send(target, [wire.encode(opening)])
+        status = await outsider_send(target, [wire.encode(opening)], timeout=10)
         assert status == grpc.StatusCode.INVALID_ARGUMENT, status
         guess = pb.Abort(from_rank=0, message="forged", nonce="0" * 32)
         assert await _abort(target, guess) == grpc.StatusCode.INVALID_ARGUMENT
@@ -304,7 +282,7 @@ async def test_with_a_token_what_the_store_holds_forges_nothing() -> None:
         assert await _abort(target, forged, token) == grpc.StatusCode.INVALID_ARGUMENT
         opening = pb.ChunkHeader(src_rank=0, seq=99, nonce=nonces[0])
         opening.descriptor.CopyFrom(pb.Descriptor(kind=pb.ALL_REDUCE, numel=4, world_size=2))
-        status = await _send(target, [wire.encode(opening)], token)
+        status = await outsider_send(target, [wire.encode(opening)], token_metadata(token), 10)
         assert status == grpc.StatusCode.INVALID_ARGUMENT, status
         assert fg.testing.broken(peers[1]) is None
         await _still_correct(peers)
@@ -380,7 +358,7 @@ async def test_the_receive_limit_follows_the_chunk_policy() -> None:
     async with fg.testing.local_group(2, chunk_policy=policy) as peers:
         target = peers[1].address
         over = b"\x0a\x00" + bytes(limit - 1)
-        assert await _send(target, [over]) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await outsider_send(target, [over], timeout=10) == grpc.StatusCode.RESOURCE_EXHAUSTED
         # Within the limit, a stream must still open with a descriptor, in a
         # header of at most 4 KiB, and the sender's credential: else it is
         # refused before its payload is looked at.
@@ -400,7 +378,8 @@ async def test_the_receive_limit_follows_the_chunk_policy() -> None:
             wire.encode(no_descriptor, b"data"),
             merged,
         ):
-            assert await _send(target, [first, first]) == grpc.StatusCode.INVALID_ARGUMENT
+            status = await outsider_send(target, [first, first], timeout=10)
+            assert status == grpc.StatusCode.INVALID_ARGUMENT
         await _still_correct(peers)
 
 

@@ -29,7 +29,7 @@ from ferrogrpc.testing import Fault, FaultKind
 from ferrogrpc.transport import integrity, wire
 from ferrogrpc.transport.grpc_streams import ABORT_METHOD, SEND_METHOD, TOKEN_METADATA_KEY
 from ferrogrpc.v1 import collective_pb2 as pb
-from tests.helpers import async_wait_until, backends, free_port, on_ranks
+from tests.helpers import async_wait_until, backends, free_port, on_ranks, outsider_send
 
 pytestmark = pytest.mark.timeout(120)
 FAST = fg.Timeouts(collective=20, idle=5, connect=10)
@@ -37,31 +37,6 @@ FAST = fg.Timeouts(collective=20, idle=5, connect=10)
 
 def _identity(b: bytes) -> bytes:
     return b
-
-
-async def _rogue_send(
-    address: str, messages: list[bytes], metadata: tuple[tuple[str, str], ...] = ()
-) -> grpc.StatusCode:
-    """Send a stream to a peer as an outsider; return the status it gets.
-
-    Through grpc's synchronous client, in a thread: its asyncio client
-    reports INTERNAL ("Internal error from Core") in place of the server's
-    status when a write of its own fails because the server already
-    answered (grpc/grpc#36066), which a loaded machine makes happen now
-    and then (1 in 150 here, beside three CPU burners)."""
-
-    def send() -> grpc.StatusCode:
-        with grpc.insecure_channel(address) as channel:
-            call = channel.stream_unary(
-                SEND_METHOD, request_serializer=_identity, response_deserializer=_identity
-            )
-            try:
-                call(iter(messages), metadata=metadata, timeout=5)
-            except grpc.RpcError as exc:
-                return exc.code()
-            return grpc.StatusCode.OK
-
-    return await asyncio.to_thread(send)
 
 
 def _chunk(
@@ -329,9 +304,9 @@ async def test_token_refuses_clients_without_it() -> None:
             kind=pb.ALL_REDUCE, dtype=pb.FLOAT32, numel=100, world_size=2, lanes=1
         )
         forged = [_chunk(fg.testing.last_seq(peers[1]) + 1, 0, descriptor)]
-        assert await _rogue_send(target, forged) == grpc.StatusCode.UNAUTHENTICATED
+        assert await outsider_send(target, forged) == grpc.StatusCode.UNAUTHENTICATED
         assert (
-            await _rogue_send(target, forged, ((TOKEN_METADATA_KEY, "wrong"),))
+            await outsider_send(target, forged, ((TOKEN_METADATA_KEY, "wrong"),))
             == grpc.StatusCode.UNAUTHENTICATED
         )
         async with grpc.aio.insecure_channel(target) as channel:
@@ -363,11 +338,11 @@ def test_token_through_init_backend(how: str, monkeypatch: pytest.MonkeyPatch) -
         assert ts[0].eq(3.0).all() and ts[1].eq(3.0).all()
         target = group[1].address
         forged = [_chunk(fg.testing.last_seq(group[1]) + 1, 0)]
-        refused = asyncio.run(_rogue_send(target, forged))
+        refused = asyncio.run(outsider_send(target, forged))
         assert refused == grpc.StatusCode.UNAUTHENTICATED, refused
         # With the token the same stream gets past the interceptor (and is
         # then refused for what it is: no descriptor, no nonce).
-        admitted = asyncio.run(_rogue_send(target, forged, ((TOKEN_METADATA_KEY, token),)))
+        admitted = asyncio.run(outsider_send(target, forged, ((TOKEN_METADATA_KEY, token),)))
         assert admitted == grpc.StatusCode.INVALID_ARGUMENT, admitted
         ts = [torch.full((100,), 3.0), torch.full((100,), 4.0)]
         on_ranks(lambda r: group[r].all_reduce(ts[r]), 2)
@@ -402,7 +377,7 @@ async def test_rogue_neighbour_during_a_collective_changes_nothing() -> None:
             "ranks 1 and 2 to start the collective",
         )
         for nonce in ("", "0" * 32):
-            status = await _rogue_send(
+            status = await outsider_send(
                 peers[1].address,
                 [_chunk(seq, 0, descriptor, nonce=nonce), _chunk(seq, 0, payload=garbage)],
             )
@@ -522,7 +497,7 @@ async def test_mutual_tls(tmp_path: object) -> None:
         assert ts[0].eq(3.0).all()
         target = peers[1].address
         # Plaintext, and TLS with a certificate from another CA: both refused.
-        assert await _rogue_send(target, [b"x"]) == grpc.StatusCode.UNAVAILABLE
+        assert await outsider_send(target, [b"x"]) == grpc.StatusCode.UNAVAILABLE
         creds = grpc.ssl_channel_credentials(
             stranger.root_certificates, stranger.private_key, stranger.certificate_chain
         )
@@ -596,7 +571,7 @@ def test_tls_variables_through_init_backend(
         on_ranks(lambda r: group[r].all_reduce(ts[r]), 2)
         assert ts[0].eq(3.0).all() and ts[1].eq(3.0).all()
         # Plaintext is refused: the server speaks only TLS.
-        refused = asyncio.run(_rogue_send(group[1].address, [b"x"]))
+        refused = asyncio.run(outsider_send(group[1].address, [b"x"]))
         assert refused == grpc.StatusCode.UNAVAILABLE, refused
     finally:
         for b in group:
@@ -671,7 +646,7 @@ headers = st.builds(
 @given(messages=st.lists(st.binary(max_size=300), min_size=1, max_size=4))
 def test_fuzz_random_bytes(live_group: _LiveGroup, messages: list[bytes]) -> None:
     target = live_group.peers[1].address  # type: ignore[attr-defined]
-    status = live_group.run(_rogue_send(target, messages))
+    status = live_group.run(outsider_send(target, messages))
     assert status in CLEAN, status
 
 
@@ -682,7 +657,7 @@ def test_fuzz_malformed_headers(
 ) -> None:
     target = live_group.peers[1].address  # type: ignore[attr-defined]
     messages = [wire.encode(header, payload)] + [wire.encode(h, payload) for h in extra]
-    status = live_group.run(_rogue_send(target, messages))
+    status = live_group.run(outsider_send(target, messages))
     assert status in CLEAN, status
 
 
