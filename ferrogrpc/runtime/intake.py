@@ -94,7 +94,7 @@ class Intake:
                 "session credential; refused"
             )
 
-    async def handle_stream(self, stream: InStream, origin: str) -> None:
+    async def handle_stream(self, stream: Replayed, origin: str) -> None:
         # Judged before anything else (before the rendezvous is even done):
         # a stream that does not open with a descriptor is refused (see
         # [Note: the opening message]).
@@ -123,7 +123,7 @@ class Intake:
         if payload.nbytes:
             # Its first chunk came with it: the collective reads it first,
             # and holds it only until then.
-            stream = Replayed(first, stream)
+            stream.put_back(first)
         del first, payload
         s = await self._session
         if header.group != self.group or header.src_rank >= s.world_size:

@@ -18,7 +18,7 @@ from ..v1 import collective_pb2 as pb
 from .auth import TOKEN_METADATA_KEY as TOKEN_METADATA_KEY  # clients' name for it
 from .auth import add_port, aio_channel, aio_server, interceptors, token_metadata
 from .grpc_errors import abort_with, detached, replied, reply_for, translate
-from .streams import InStream, OutStream, Replayed, SendHook, StreamHandler, Transport
+from .streams import OutStream, Replayed, SendHook, StreamHandler, Transport
 
 SERVICE = "ferrogrpc.v1.Collective"
 SEND_METHOD = f"/{SERVICE}/Send"
@@ -420,7 +420,7 @@ class GrpcTransport(Transport):
         del first
         return await self._take(opened, origin)
 
-    async def _take(self, stream: InStream, origin: str) -> FerroGrpcError | None:
+    async def _take(self, stream: Replayed, origin: str) -> FerroGrpcError | None:
         """Hand a stream to the handler; the error to fail it with, if any.
         The error is returned rebuilt, without a traceback: grpc keeps the
         abort's exception while the client holds the call open, and the

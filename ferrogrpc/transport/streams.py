@@ -68,11 +68,16 @@ class Replayed:
         first, self._first = self._first, None
         return first if first is not None else await self.rest.read()
 
+    def put_back(self, message: bytes) -> None:
+        """Make ``message`` (the one just read) the next one read again."""
+        assert self._first is None
+        self._first = message
+
 
 class StreamHandler(Protocol):
-    async def handle_stream(self, stream: InStream, origin: str) -> None:
+    async def handle_stream(self, stream: Replayed, origin: str) -> None:
         """Take an incoming stream, whose first message (its opening) is
-        there to read; return once it has been consumed. Raising
+        there to read (and may be put back); return once it has been consumed. Raising
         FerroGrpcError fails the stream at the sender with that message.
         The transport keeps no reference to the messages it hands over."""
         ...
