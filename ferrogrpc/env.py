@@ -55,6 +55,8 @@ REDUCE_THREADS_ENV: Final = "FERROGRPC_REDUCE_THREADS"
 MALLOC_TUNING_ENV: Final = "FERROGRPC_MALLOC_TUNING"
 SHM_ENV: Final = "FERROGRPC_SHM"
 DIRECT_ENV: Final = "FERROGRPC_DIRECT"
+# Lossless packing of float32 chunks on slow links (transport/planes.py).
+PACK_ENV: Final = "FERROGRPC_PACK"
 # The coordinator's: the most ranks an elastic round takes.
 MAX_RANKS_ENV: Final = "FERROGRPC_MAX_RANKS"
 # Elastic groups (elastic/): on, the fewest members, and how long a member
@@ -175,6 +177,9 @@ class Settings:
     shm: bool = True
     # Small collectives between hosts on the TCP mesh (runtime/direct_mesh.py).
     direct: bool = True
+    # "auto": float32 ring chunks travel packed where a link is slower than
+    # packing; "on", "off": always, never.
+    packing: str = "auto"
     max_ranks: int = 1024
     elastic: bool = False
     min_world_size: int = 1
@@ -222,6 +227,13 @@ class Settings:
             raise ConfigError(
                 f"{LOG_LEVEL_ENV}={env.get(LOG_LEVEL_ENV)!r}: use DEBUG, INFO, WARNING or ERROR"
             )
+        packing = (env.get(PACK_ENV) or "auto").strip().lower()
+        if packing in _OFF:
+            packing = "off"
+        elif packing in ("1", "true", "yes"):
+            packing = "on"
+        if packing not in ("auto", "on", "off"):
+            raise ConfigError(f"{PACK_ENV}={env.get(PACK_ENV)!r}: use auto, on or off")
         threads = _int(env, REDUCE_THREADS_ENV)
         if threads is not None and threads < 0:
             raise ConfigError(f"{REDUCE_THREADS_ENV}={threads} must be 0 or more")
@@ -250,6 +262,7 @@ class Settings:
             ),
             shm=_switch(env, SHM_ENV, True),
             direct=_switch(env, DIRECT_ENV, True),
+            packing=packing,
             max_ranks=1024 if max_ranks is None else max_ranks,
             elastic=_switch(env, ELASTIC_ENV, False),
             min_world_size=1 if min_world is None else min_world,

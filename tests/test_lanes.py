@@ -282,12 +282,12 @@ async def test_no_one_keeps_a_rings_opening_until_its_end(
     framed = lane.LaneRunner._opening_chunk
     write = lane.LaneRunner._write
 
-    def recorded(self: lane.LaneRunner, opening: Any) -> bytes | None:
-        message = framed(self, opening)
-        if message is not None and not openings:
-            openings.append(message)
+    def recorded(self: lane.LaneRunner, opening: Any) -> tuple[bytes, int] | None:
+        framing = framed(self, opening)
+        if framing is not None and not openings:
+            openings.append(framing[0])
             owner.append(self)
-        return message
+        return framing
 
     async def looked_at(self: lane.LaneRunner, stream: Any, message: bytes, step: int) -> None:
         header, _ = wire.decode(message)

@@ -26,7 +26,7 @@ from ..counter import Counter
 from ..errors import Evidence, FerroGrpcError, PeerError, ProtocolError
 from ..failure.watchdog import Watchdog
 from ..ops import ReduceOp
-from ..transport import integrity, wire
+from ..transport import integrity, planes, wire
 from ..transport.streams import InStream, OutStream
 from ..transport.wire import bytes_view
 from ..v1 import collective_pb2 as pb
@@ -103,7 +103,7 @@ class LaneRunner:
         # hold_limit waiting: HELD_MESSAGES, fewer where that would exceed
         # HELD_BYTES). Beyond that, results go to the tensor and the sender
         # frames them from there, as for its own data.
-        self.outgoing: dict[int, bytes] = {}
+        self.outgoing: dict[int, tuple[bytes, int]] = {}
         largest = max((item.hi - item.lo for item in plan.recvs), default=0) * self.wire_itemsize
         self.hold_limit = min(HELD_MESSAGES, max(1, HELD_BYTES // max(largest, 1)))
         # For each receive index that is forwarded, the send item forwarding it.
@@ -112,6 +112,14 @@ class LaneRunner:
         # With a wire dtype: received values widened, and values rounded.
         self._wide = wire.Scratch(job.buffer.dtype)
         self._narrow = wire.Scratch(job.wire or job.buffer.dtype)
+        # Float32 chunks may travel packed (planes.py): where the link to
+        # the right is slower than packing (its gauge says so), or always
+        # or never as the context says. Packed chunks from the left are
+        # unpacked into _unpacked.
+        self.packable = job.buffer.dtype == torch.float32 and job.wire is None
+        self.gauge = ctx.gauge(self.right)
+        self._unpacked = wire.Scratch(torch.float32)
+        self._sums = wire.Scratch(torch.float32)
         # The outgoing stream, until it has been closed cleanly; and the
         # write of its descriptor while it runs (see _send).
         self.out: OutStream | None = None
@@ -194,13 +202,14 @@ class LaneRunner:
         first = self._opening_chunk(opening)
         sent = 0 if first is None else 1
         described = asyncio.ensure_future(
-            self._write(stream, wire.encode(opening) if first is None else first, 0)
+            self._write(stream, wire.encode(opening) if first is None else first[0], 0)
         )
+        carried = 0 if first is None else first[1]
         del first  # (gRPC copies it; the first chunk is not held for the whole collective)
         self._described = described
         # A failed opening fails the sender at once, even while it waits
         # for a chunk to forward.
-        described.add_done_callback(functools.partial(self._on_described, sent))
+        described.add_done_callback(functools.partial(self._on_described, carried))
         await asyncio.sleep(0)  # (the opening's write starts)
         await self._send_chunks(stream, described, sent)
         await described
@@ -230,10 +239,9 @@ class LaneRunner:
         if error is not None:
             self.received.fail(error)
         elif carried:  # the opening's chunk is sent once its write is done
-            item = self.plan.sends[0]
-            self.ctx.stats.sent(self.right, (item.hi - item.lo) * self.wire_itemsize)
+            self.ctx.stats.sent(self.right, carried)
 
-    def _opening_chunk(self, opening: pb.ChunkHeader) -> bytes | None:
+    def _opening_chunk(self, opening: pb.ChunkHeader) -> tuple[bytes, int] | None:
         """The plan's first chunk framed with ``opening`` (the descriptor
         and this rank's credential) in its header, if it is this rank's own
         data and ready now; else None."""
@@ -246,21 +254,46 @@ class LaneRunner:
             return None
         return self._own_message(opening, item)
 
-    def _own_message(self, header: pb.ChunkHeader, item: SendItem) -> bytes:
-        """The message carrying ``item`` from this rank's buffer."""
+    def _own_message(self, header: pb.ChunkHeader, item: SendItem) -> tuple[bytes, int]:
+        """The message carrying ``item`` from this rank's buffer, and its
+        payload's size."""
         data = self.job.buffer[item.lo : item.hi]
         header.step = item.step
         header.chunk_index = item.chunk
         header.offset = item.lo
+        header.packed_top = 0
         if self.wire is not None:
             # An all-gather's own block: as every other rank gets it.
             return self._narrowed_message(header, data, self.job.kind == pb.ALL_GATHER)
+        packed = self._packed_message(header, data)
+        if packed is not None:
+            return packed
         payload = bytes_view(data)
         checksum = self.ctx.checksum
         if checksum is not None:
             header.checksum = checksum(payload)
             header.has_checksum = True
-        return wire.encode(header, payload)
+        return wire.encode(header, payload), payload.nbytes
+
+    def _packed_message(
+        self, header: pb.ChunkHeader, data: torch.Tensor
+    ) -> tuple[bytes, int] | None:
+        """The message carrying the float32 ``data`` packed (planes.py),
+        if this lane packs it now and packing makes it smaller; else None."""
+        n = data.numel()
+        if not self.packable or n < planes.MIN_ELEMS or not self.gauge.packs():
+            return None
+        top = planes.top_plane(data)
+        if len(top) >= n:
+            return None
+        header.packed_top = len(top)
+        nbytes = len(top) + 3 * n
+        frame = self._frame(header, nbytes)
+        payload = frame.payload(torch.uint8)
+        payload[: len(top)].copy_(torch.frombuffer(top, dtype=torch.uint8))
+        planes.write_low(data, payload[len(top) :])
+        del payload  # (not used past the seal)
+        return self._seal(header, frame), nbytes
 
     async def _send_chunks(
         self, stream: OutStream, described: asyncio.Future[None], sent: int
@@ -274,28 +307,35 @@ class LaneRunner:
         for item in self.plan.sends[sent:]:
             if item.after > self.received.value:
                 await self.received.wait_for(item.after)
-            message = self.outgoing.pop(item.from_recv, None)
-            if message is None:
+            held = self.outgoing.pop(item.from_recv, None)
+            if held is None:
                 # Read from this rank's own data (or a finished segment).
                 if stage is not None:
                     await stage.ready(item.lo, item.hi)
-                message = self._own_message(header, item)
+                held = self._own_message(header, item)
+            message, nbytes = held
+            del held
             if not described.done():
                 await described
+            began = planes.now()
             await self._write(stream, message, item.step)
-            stats.sent(self.right, (item.hi - item.lo) * self.wire_itemsize)
+            self.gauge.wrote(len(message), planes.now() - began)
+            stats.sent(self.right, nbytes)
 
-    def _narrowed_message(self, header: pb.ChunkHeader, data: torch.Tensor, round_: bool) -> bytes:
+    def _narrowed_message(
+        self, header: pb.ChunkHeader, data: torch.Tensor, round_: bool
+    ) -> tuple[bytes, int]:
         """The message carrying ``data`` (in the buffer's dtype) in the wire
         dtype: converted straight into the message, with no converted copy
         in between; with ``round_``, ``data`` is rounded to it too."""
         assert self.wire is not None
-        frame = self._frame(header, data.numel())
+        nbytes = data.numel() * self.wire_itemsize
+        frame = self._frame(header, nbytes)
         narrow = frame.payload(self.wire)
         narrow.copy_(data)
         if round_:
             data.copy_(narrow)
-        return self._seal(header, frame)
+        return self._seal(header, frame), nbytes
 
     def _wide_or(self, incoming: torch.Tensor) -> torch.Tensor:
         """Received values to reduce: wire-dtype ones widened first, in one
@@ -347,13 +387,23 @@ class LaneRunner:
         finally:
             ctx.mailboxes.drop(key)
 
-    def _reduced_message(self, index: int, incoming: torch.Tensor | None, reduce: Reducer) -> bytes:
+    def _reduced_message(
+        self, index: int, incoming: torch.Tensor | None, reduce: Reducer
+    ) -> tuple[bytes, int]:
         """The message forwarding receive item ``index``: this rank's range
-        reduced with ``incoming``, written in place into the message."""
+        reduced with ``incoming``, written in place into the message (or
+        packed from a scratch sum, where this lane packs)."""
         send = self.forwards[index]
         header = self._forward_header(index)
-        frame = self._frame(header, send.hi - send.lo)
         local = self.job.buffer[send.lo : send.hi]
+        if incoming is not None and self.wire is None and self.gauge.packs():
+            partial = self._sums.empty(incoming.numel())
+            reduce(local, incoming, partial)
+            packed = self._packed_message(header, partial)
+            if packed is not None:
+                return packed
+        nbytes = (send.hi - send.lo) * self.wire_itemsize
+        frame = self._frame(header, nbytes)
         if incoming is not None:
             if self.wire is None:
                 reduce(local, incoming, frame.payload(local.dtype))
@@ -362,7 +412,7 @@ class LaneRunner:
                 partial = self._wide_or(incoming)
                 reduce(local, partial, partial)
                 frame.payload(self.wire).copy_(partial)
-        return self._seal(header, frame)
+        return self._seal(header, frame), nbytes
 
     def _forward_header(self, index: int) -> pb.ChunkHeader:
         """The header of the message that forwards receive item ``index``."""
@@ -373,13 +423,13 @@ class LaneRunner:
         header.offset = send.lo
         return header
 
-    def _frame(self, header: pb.ChunkHeader, numel: int) -> wire.Frame:
-        """A frame for ``numel`` elements in the wire dtype under ``header``
-        (with room for its checksum, which :meth:`_seal` sets)."""
+    def _frame(self, header: pb.ChunkHeader, nbytes: int) -> wire.Frame:
+        """A frame for a payload of ``nbytes`` under ``header`` (with room
+        for its checksum, which :meth:`_seal` sets)."""
         if self.ctx.checksum is not None:
             header.has_checksum = True
             header.checksum = 0xFFFFFFFF  # the longest encoding, for the bound
-        return wire.Frame(header, numel * self.wire_itemsize)
+        return wire.Frame(header, nbytes)
 
     def _seal(self, header: pb.ChunkHeader, frame: wire.Frame) -> bytes:
         checksum = self.ctx.checksum
@@ -401,6 +451,15 @@ class LaneRunner:
         item = self.plan.recvs[index]
         job = self.job
         nbytes = (item.hi - item.lo) * self.wire_itemsize
+        if header.packed_top:
+            if not self.packable:
+                raise self._error(
+                    ProtocolError,
+                    f"rank {self.left} sent a packed chunk in {job.name}#{job.seq}, which "
+                    "travels unpacked (not float32, or in a wire dtype)",
+                    self.left,
+                )
+            nbytes = header.packed_top + 3 * (item.hi - item.lo)
         # The stream is the left neighbour's (checked on its first message),
         # and chunks arrive in plan order; step and src_rank name the rank
         # that produced a forwarded chunk, not the hop.
@@ -452,6 +511,17 @@ class LaneRunner:
             evidence=Evidence.SYMPTOM,
         )
 
+    def _unpack(self, payload: memoryview, top: int, numel: int) -> torch.Tensor:
+        """A packed chunk's float32 elements (in a scratch buffer)."""
+        out = self._unpacked.empty(numel)
+        try:
+            planes.unpack(payload, top, out)
+        except ValueError as exc:
+            raise self._error(
+                ProtocolError, f"rank {self.left} sent a packed chunk that is not: {exc}", self.left
+            ) from exc
+        return out
+
     def _decode(self, message: bytes) -> tuple[pb.ChunkHeader, memoryview]:
         try:
             header, payload = wire.decode(message)
@@ -484,7 +554,11 @@ class LaneRunner:
                 await stage.ready(item.lo, item.hi)
             # In the wire dtype, if any: a copy below converts it as it goes;
             # a reduction widens it first (_wide_or).
-            incoming = torch.frombuffer(payload, dtype=wire_dtype) if nbytes else None
+            incoming: torch.Tensor | None
+            if header.packed_top:
+                incoming = self._unpack(payload, header.packed_top, item.hi - item.lo)
+            else:
+                incoming = torch.frombuffer(payload, dtype=wire_dtype) if nbytes else None
             # No backpressure from our own sender here: waiting for it while
             # it waits for the right neighbour's receiver would close a cycle
             # around the ring.
@@ -494,7 +568,7 @@ class LaneRunner:
                     flat[item.lo : item.hi].copy_(incoming)
                 # (Never the opening as it is: it carries the left's credential.)
                 if hold and not (index == 0 and header.HasField("descriptor")):
-                    self.outgoing[index] = message
+                    self.outgoing[index] = (message, nbytes)
             elif item.action == REDUCE and (hold or not self.in_place):
                 # A partial sum is only ever forwarded. Out of place there is
                 # nowhere else to keep it, so it is held whatever hold_limit

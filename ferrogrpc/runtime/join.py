@@ -194,6 +194,7 @@ async def join(
         s.checksum,
         nonce=mine,
         stats=observer.stats,
+        packing=s.packing,
     )
     return Parts(
         ctx,

@@ -203,12 +203,15 @@ class Scratch:
         self.dtype = dtype
         self._buf: torch.Tensor | None = None
 
-    def filled(self, values: torch.Tensor) -> torch.Tensor:
-        """The first ``values.numel()`` elements, holding ``values`` converted."""
-        n = values.numel()
+    def empty(self, n: int) -> torch.Tensor:
+        """The first ``n`` elements, as they are."""
         if self._buf is None or self._buf.numel() < n:
             self._buf = torch.empty(n, dtype=self.dtype)
-        out = self._buf[:n]
+        return self._buf[:n]
+
+    def filled(self, values: torch.Tensor) -> torch.Tensor:
+        """The first ``values.numel()`` elements, holding ``values`` converted."""
+        out = self.empty(values.numel())
         out.copy_(values)
         return out
 

@@ -110,7 +110,7 @@ class Descriptor(_message.Message):
     def __init__(self, kind: _Optional[_Union[CollectiveKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., root: _Optional[int] = ..., world_size: _Optional[int] = ..., lanes: _Optional[int] = ..., chunk_elems: _Optional[int] = ..., checksum: _Optional[_Union[ChecksumKind, str]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("group", "seq", "kind", "step", "src_rank", "chunk_index", "lane", "offset", "checksum", "has_checksum", "descriptor", "nonce", "abort", "end")
+    __slots__ = ("group", "seq", "kind", "step", "src_rank", "chunk_index", "lane", "offset", "checksum", "has_checksum", "descriptor", "nonce", "abort", "end", "packed_top")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class ChunkHeader(_message.Message):
     NONCE_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOP_FIELD_NUMBER: _ClassVar[int]
     group: int
     seq: int
     kind: CollectiveKind
@@ -139,7 +140,8 @@ class ChunkHeader(_message.Message):
     nonce: str
     abort: Abort
     end: int
-    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[CollectiveKind, str]] = ..., step: _Optional[int] = ..., src_rank: _Optional[int] = ..., chunk_index: _Optional[int] = ..., lane: _Optional[int] = ..., offset: _Optional[int] = ..., checksum: _Optional[int] = ..., has_checksum: _Optional[bool] = ..., descriptor: _Optional[_Union[Descriptor, _Mapping]] = ..., nonce: _Optional[str] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., end: _Optional[int] = ...) -> None: ...
+    packed_top: int
+    def __init__(self, group: _Optional[int] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[CollectiveKind, str]] = ..., step: _Optional[int] = ..., src_rank: _Optional[int] = ..., chunk_index: _Optional[int] = ..., lane: _Optional[int] = ..., offset: _Optional[int] = ..., checksum: _Optional[int] = ..., has_checksum: _Optional[bool] = ..., descriptor: _Optional[_Union[Descriptor, _Mapping]] = ..., nonce: _Optional[str] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., end: _Optional[int] = ..., packed_top: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "payload", "pad")
