@@ -117,6 +117,33 @@ def test_the_gauge_packs_only_behind_a_link_slower_than_packing(
     assert [g.packs() for g in slow] == [True, False]
 
 
+def test_the_gauge_stops_packing_where_packing_does_not_hide_behind_the_link(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(planes, "packing_rate", lambda: 800e6)
+    gauge = planes.LinkGauge("auto")
+    chunk = 900_000  # a packed 1 MiB chunk
+    # A slow link, and packing hidden behind it: 2.5 ms packing, then the
+    # write still waited 4.7 ms.
+    for _ in range(10):
+        gauge.sent(chunk, 0.0025, 0.0047)
+    assert gauge.packs()
+    # The CPU runs short: packing takes longer than the writes then wait.
+    for _ in range(30):
+        gauge.sent(chunk, 0.008, 0.005)
+    assert not gauge.hidden()
+    # ... so chunks go as they are, but for one in RETRY, packed to see.
+    choices = []
+    for _ in range(2 * planes.LinkGauge.RETRY):
+        choices.append(gauge.packs())
+        gauge.sent(1 << 20, None, 0.009)
+    assert choices.count(True) == 2, choices
+    # The CPU is back: the retries show packing hidden again.
+    for _ in range(30):
+        gauge.sent(chunk, 0.002, 0.005)
+    assert gauge.hidden() and gauge.packs()
+
+
 def test_auto_never_packs_for_a_peer_on_this_host() -> None:
     me = Identity(0, 4, ["10.0.0.1:5", "10.0.0.1:6", "127.0.0.1:7", "10.0.0.2:8"])
     assert [_same_host(me, peer) for peer in range(1, 4)] == [True, True, False]
@@ -172,7 +199,7 @@ async def test_packed_collectives_give_the_same_bits_in_fewer_bytes(
     # again (partial sums); without held forwards, from the tensor.
     if not held:
         monkeypatch.setattr(lane, "HELD_MESSAGES", 0)
-    n = world * 3 * (1 << 16)
+    n = world * (1 << 19)
     gen = torch.Generator().manual_seed(world)
     inputs = [torch.randn(n, generator=gen) * 10 ** (r - 1) for r in range(world)]
     runs = {}
@@ -215,7 +242,7 @@ async def test_a_packed_chunk_that_does_not_inflate_is_refused_naming_its_sender
 
     async with fg.testing.local_group(2, transport="grpc") as peers:
         peers[1]._ctx.transport.send_hook = spoil  # type: ignore[attr-defined]
-        tensors = [torch.randn(1 << 18) for _ in peers]
+        tensors = [torch.randn(1 << 20) for _ in peers]
         results = await asyncio.gather(
             *(p.all_reduce(t) for p, t in zip(peers, tensors, strict=True)),
             return_exceptions=True,

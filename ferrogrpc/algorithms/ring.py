@@ -308,18 +308,26 @@ class LaneRunner:
             if item.after > self.received.value:
                 await self.received.wait_for(item.after)
             held = self.outgoing.pop(item.from_recv, None)
+            framing = -1.0  # (a held message: framed as it was received)
             if held is None:
                 # Read from this rank's own data (or a finished segment).
                 if stage is not None:
                     await stage.ready(item.lo, item.hi)
+                began = planes.now()
                 held = self._own_message(header, item)
+                framing = planes.now() - began
             message, nbytes = held
             del held
             if not described.done():
                 await described
             began = planes.now()
             await self._write(stream, message, item.step)
-            self.gauge.wrote(len(message), planes.now() - began)
+            writing = planes.now() - began
+            if framing < 0.0:
+                self.gauge.wrote(len(message), writing)
+            else:
+                packing = framing if header.packed_top else None
+                self.gauge.sent(len(message), packing, writing)
             stats.sent(self.right, nbytes)
 
     def _narrowed_message(

@@ -39,8 +39,12 @@ except ImportError:  # (platforms without ISA-L: stdlib zlib, 4-5x slower)
 _WBITS = -15
 _LEVEL = 1
 
-# Below this many elements a chunk is not worth its compressor call.
-MIN_ELEMS = 4096
+# Chunks of fewer elements (1 MiB of float32) go as they are: they belong
+# to collectives too small to be bound by the link's rate, where packing
+# and unpacking add to every chunk's latency and save little (a 4 MiB
+# all_reduce at world 4 over 1 Gbit/s, in 256 KiB chunks: 0.81x gloo
+# packed, 0.94x not).
+MIN_ELEMS = 1 << 18
 
 
 def top_plane(data: torch.Tensor) -> bytes:
@@ -83,47 +87,68 @@ def unpack(payload: memoryview, top_len: int, out: torch.Tensor) -> None:
 
 
 class LinkGauge:
-    """Whether a stream's link is slower than packing: the rate the
-    stream's writes have been held to, against packing's own rate.
+    """Whether to pack the chunks of one link (to one peer). Modes "on" and
+    "off" say always and never; mode "auto" packs where two things hold.
 
-    A write the transport takes into its window returns at once, and says
-    nothing of the link; one that waits was paced by the link (or by the
-    receiver). So the gauge counts only writes slower than packing (the
-    rate at which this process packs, measured once): its link rate is the
-    bytes of those writes over the time they took, each one's weight
-    decaying by ``DECAY`` a write. In mode "auto" it says "pack" while that
-    rate is below ``SLOWER_THAN`` times the packing rate. Modes "on" and
-    "off" say always and never.
+    1. **The link is slow**: its chunk writes run slower than
+       ``SLOWER_THAN`` times this process's packing rate (the best seen:
+       see :func:`packing_rate`). A
+       write the transport takes at once (into its window) says nothing of
+       the link and is not counted; one that waits was paced by the link
+       (or by the receiver). The link's rate is the bytes of the counted
+       writes over the time they took, each one's weight decaying by
+       ``DECAY`` a write.
+    2. **Packing hides behind the link**: packing this rank's own chunks
+       has taken no longer than their writes then waited (``HIDDEN``
+       times). Behind a slow link a packed chunk's packing and write
+       together take about its bytes' time on the link, and the write
+       still waits; where the link only looks slow because the CPU is
+       short (a receiver that reads late makes writes wait too), packing
+       is slow as well and fails this. Then one own chunk in ``RETRY`` is
+       packed still, so that packing resumes when the CPU is back.
 
-    Why a quarter: a packed byte costs CPU twice (packing here, unpacking
-    on the receiver, which is slower still), on top of the gRPC path's own
-    cost. On this project's 2-core machine (one core a rank) packing gains
-    15% at 1 Gbit/s and loses 6% at 2 Gbit/s. It packs about 775 MB/s
-    there, so a quarter (about 195 MB/s, 1.5 Gbit/s) packs the first
-    (whose writes run at 117-140 MB/s) and not the second (250 MB/s), with
-    room for the calibration's noise (BENCHMARKS.md, "Packed chunks").
+    Why a quarter for the first: a packed byte costs CPU twice (packing
+    here, unpacking on the receiver), on top of the gRPC path's own cost.
+    On this project's 2-core machine (one core a rank) packing gains 15% at
+    1 Gbit/s and loses 6% at 2 Gbit/s; it packs about 775 MB/s there, so a
+    quarter (about 195 MB/s, 1.5 Gbit/s) lets the first through (its
+    writes run at 117-140 MB/s) and not the second (250 MB/s), with room
+    for the calibration's noise (BENCHMARKS.md, "Packed chunks").
     """
 
     SLOWER_THAN = 0.25
+    HIDDEN = 1.0
     DECAY = 0.9
+    RETRY = 64
 
-    __slots__ = ("_bytes", "_seconds", "mode")
+    __slots__ = ("_bytes", "_chunks", "_packing", "_seconds", "_waiting", "mode")
 
     def __init__(self, mode: str = "auto") -> None:
         self.mode = mode
         self._bytes = 0.0
         self._seconds = 0.0
+        # Decayed seconds spent packing own chunks, and then writing them.
+        self._packing = 0.0
+        self._waiting = 0.0
+        self._chunks = 0
 
     def link_rate(self) -> float:
         """The link's bytes per second, as the writes that waited saw it
         (0: none yet)."""
         return self._bytes / self._seconds if self._seconds > 0.0 else 0.0
 
+    def hidden(self) -> bool:
+        """Whether packing has hidden behind the link's waits (True while
+        untried)."""
+        return self._packing <= self.HIDDEN * self._waiting
+
     def packs(self) -> bool:
+        """Whether the next chunk goes packed."""
         if self.mode != "auto":
             return self.mode == "on"
-        link = self.link_rate()
-        return 0.0 < link < self.SLOWER_THAN * packing_rate()
+        if not 0.0 < self.link_rate() < self.SLOWER_THAN * packing_rate():
+            return False
+        return self.hidden() or self._chunks % self.RETRY == 0
 
     def wrote(self, nbytes: int, seconds: float) -> None:
         """A chunk write of ``nbytes`` took ``seconds``."""
@@ -132,25 +157,49 @@ class LinkGauge:
         self._bytes = self.DECAY * self._bytes + nbytes
         self._seconds = self.DECAY * self._seconds + seconds
 
+    def sent(self, nbytes: int, packing: float | None, writing: float) -> None:
+        """This rank's own chunk, ``nbytes`` on the wire, took ``writing``
+        seconds to write, after ``packing`` seconds to pack (None: sent as
+        it is)."""
+        self.wrote(nbytes, writing)
+        self._chunks += 1
+        if packing is not None:
+            self._packing = self.DECAY * self._packing + packing
+            self._waiting = self.DECAY * self._waiting + writing
+            _saw_packing(nbytes, packing)
+
 
 _rate: float = 0.0
 
 
 def packing_rate() -> float:
-    """Bytes of float32 this process packs a second: the best of five
-    packings of 1 MiB of normal values (measured once)."""
+    """Bytes of float32 this process packs a second: the best of nine
+    packings of 1 MiB of normal values (after one to warm up), measured on
+    the first call; raised since by any faster packing of a chunk. The
+    best, because a rank starts beside others (every rank of a job
+    calibrates at once) and whatever shares its core slows a packing:
+    the gauge wants what packing costs, not what it cost that moment."""
     global _rate
     if _rate == 0.0:
         sample = torch.randn(1 << 18, generator=torch.Generator().manual_seed(0))
         low = torch.empty(3 * sample.numel(), dtype=torch.uint8)
         best = float("inf")
-        for _ in range(5):
+        for attempt in range(10):
             began = now()
             top_plane(sample)
             write_low(sample, low)
-            best = min(best, now() - began)
+            if attempt:
+                best = min(best, now() - began)
         _rate = 4 * sample.numel() / max(best, 1e-6)
     return _rate
+
+
+def _saw_packing(nbytes: int, seconds: float) -> None:
+    """A chunk of ``nbytes`` on the wire took ``seconds`` to pack."""
+    global _rate
+    if seconds > 0.0:
+        # (nbytes is the packed size: about 0.86 of the elements' bytes.)
+        _rate = max(_rate, nbytes / seconds)
 
 
 def now() -> float:
