@@ -120,7 +120,8 @@ def test_a_slow_link_carries_packed_chunks(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
             *(sys.executable, "-m", "client.bench", "--link", "100mbit"),
-            *("--world-sizes", "2", "--sizes", "4M", "--iters", "2", "--warmup", "1"),
+            # (8 MiB: chunks of 1 MiB, the least that is packed.)
+            *("--world-sizes", "2", "--sizes", "8M", "--iters", "2", "--warmup", "1"),
             *("--ceiling-s", "0.4", "--json", str(figures)),
         ],
         cwd=ROOT,
