@@ -283,6 +283,7 @@ class LaneRunner:
         n = data.numel()
         if not self.packable or n < planes.MIN_ELEMS or not self.gauge.packs():
             return None
+        began = planes.now()
         top = planes.top_plane(data)
         if len(top) >= n:
             return None
@@ -293,6 +294,7 @@ class LaneRunner:
         payload[: len(top)].copy_(torch.frombuffer(top, dtype=torch.uint8))
         planes.write_low(data, payload[len(top) :])
         del payload  # (not used past the seal)
+        planes.saw_packing(n, planes.now() - began)
         return self._seal(header, frame), nbytes
 
     async def _send_chunks(
@@ -308,26 +310,18 @@ class LaneRunner:
             if item.after > self.received.value:
                 await self.received.wait_for(item.after)
             held = self.outgoing.pop(item.from_recv, None)
-            framing = -1.0  # (a held message: framed as it was received)
             if held is None:
                 # Read from this rank's own data (or a finished segment).
                 if stage is not None:
                     await stage.ready(item.lo, item.hi)
-                began = planes.now()
                 held = self._own_message(header, item)
-                framing = planes.now() - began
             message, nbytes = held
             del held
             if not described.done():
                 await described
             began = planes.now()
             await self._write(stream, message, item.step)
-            writing = planes.now() - began
-            if framing < 0.0:
-                self.gauge.wrote(len(message), writing)
-            else:
-                packing = framing if header.packed_top else None
-                self.gauge.sent(len(message), packing, writing)
+            self.gauge.wrote(len(message), planes.now() - began)
             stats.sent(self.right, nbytes)
 
     def _narrowed_message(

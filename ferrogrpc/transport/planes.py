@@ -87,68 +87,49 @@ def unpack(payload: memoryview, top_len: int, out: torch.Tensor) -> None:
 
 
 class LinkGauge:
-    """Whether to pack the chunks of one link (to one peer). Modes "on" and
-    "off" say always and never; mode "auto" packs where two things hold.
+    """Whether to pack the chunks of one link (to one peer): modes "on"
+    and "off" say always and never; mode "auto" packs while the link is
+    slower than ``SLOWER_THAN`` times this process's packing rate (the best
+    seen: see :func:`packing_rate`).
 
-    1. **The link is slow**: its chunk writes run slower than
-       ``SLOWER_THAN`` times this process's packing rate (the best seen:
-       see :func:`packing_rate`). A
-       write the transport takes at once (into its window) says nothing of
-       the link and is not counted; one that waits was paced by the link
-       (or by the receiver). The link's rate is the bytes of the counted
-       writes over the time they took, each one's weight decaying by
-       ``DECAY`` a write.
-    2. **Packing hides behind the link**: packing this rank's own chunks
-       has taken no longer than their writes then waited (``HIDDEN``
-       times). Behind a slow link a packed chunk's packing and write
-       together take about its bytes' time on the link, and the write
-       still waits; where the link only looks slow because the CPU is
-       short (a receiver that reads late makes writes wait too), packing
-       is slow as well and fails this. Then one own chunk in ``RETRY`` is
-       packed still, so that packing resumes when the CPU is back.
+    The link's rate is what its chunk writes were held to. A write the
+    transport takes at once (into its window) says nothing of the link and
+    is not counted (a write faster than packing); one that waits was paced
+    by the link, or by a receiver that reads late. The rate is the bytes of
+    the counted writes over the time they took, each one's weight decaying
+    by ``DECAY`` a write.
 
-    Why a quarter for the first: a packed byte costs CPU twice (packing
-    here, unpacking on the receiver), on top of the gRPC path's own cost.
-    On this project's 2-core machine (one core a rank) packing gains 15% at
-    1 Gbit/s and loses 6% at 2 Gbit/s; it packs about 775 MB/s there, so a
-    quarter (about 195 MB/s, 1.5 Gbit/s) lets the first through (its
-    writes run at 117-140 MB/s) and not the second (250 MB/s), with room
-    for the calibration's noise (BENCHMARKS.md, "Packed chunks").
+    Why a quarter: a packed byte costs CPU twice (packing here, unpacking
+    on the receiver), on top of the gRPC path's own cost. On this project's
+    2-core machine (one core a rank) packing gains 15% at 1 Gbit/s and
+    loses 6% at 2 Gbit/s; it packs about 775 MB/s there, so a quarter
+    (about 195 MB/s, 1.5 Gbit/s) takes the first (its writes run at
+    117-140 MB/s) and not the second (250 MB/s), with room for noise. A
+    fast link whose receivers are short of CPU also makes writes wait, but
+    far less: at 10 Gbit/s beside two CPU burners they ran at 480 MB/s
+    (BENCHMARKS.md, "Packed chunks").
     """
 
     SLOWER_THAN = 0.25
-    HIDDEN = 1.0
     DECAY = 0.9
-    RETRY = 64
 
-    __slots__ = ("_bytes", "_chunks", "_packing", "_seconds", "_waiting", "mode")
+    __slots__ = ("_bytes", "_seconds", "mode")
 
     def __init__(self, mode: str = "auto") -> None:
         self.mode = mode
         self._bytes = 0.0
         self._seconds = 0.0
-        # Decayed seconds spent packing own chunks, and then writing them.
-        self._packing = 0.0
-        self._waiting = 0.0
-        self._chunks = 0
 
     def link_rate(self) -> float:
         """The link's bytes per second, as the writes that waited saw it
         (0: none yet)."""
         return self._bytes / self._seconds if self._seconds > 0.0 else 0.0
 
-    def hidden(self) -> bool:
-        """Whether packing has hidden behind the link's waits (True while
-        untried)."""
-        return self._packing <= self.HIDDEN * self._waiting
-
     def packs(self) -> bool:
         """Whether the next chunk goes packed."""
         if self.mode != "auto":
             return self.mode == "on"
-        if not 0.0 < self.link_rate() < self.SLOWER_THAN * packing_rate():
-            return False
-        return self.hidden() or self._chunks % self.RETRY == 0
+        return 0.0 < self.link_rate() < self.SLOWER_THAN * packing_rate()
 
     def wrote(self, nbytes: int, seconds: float) -> None:
         """A chunk write of ``nbytes`` took ``seconds``."""
@@ -156,17 +137,6 @@ class LinkGauge:
             return  # (taken at once: into the transport's window)
         self._bytes = self.DECAY * self._bytes + nbytes
         self._seconds = self.DECAY * self._seconds + seconds
-
-    def sent(self, nbytes: int, packing: float | None, writing: float) -> None:
-        """This rank's own chunk, ``nbytes`` on the wire, took ``writing``
-        seconds to write, after ``packing`` seconds to pack (None: sent as
-        it is)."""
-        self.wrote(nbytes, writing)
-        self._chunks += 1
-        if packing is not None:
-            self._packing = self.DECAY * self._packing + packing
-            self._waiting = self.DECAY * self._waiting + writing
-            _saw_packing(nbytes, packing)
 
 
 _rate: float = 0.0
@@ -194,12 +164,11 @@ def packing_rate() -> float:
     return _rate
 
 
-def _saw_packing(nbytes: int, seconds: float) -> None:
-    """A chunk of ``nbytes`` on the wire took ``seconds`` to pack."""
+def saw_packing(elems: int, seconds: float) -> None:
+    """Packing ``elems`` elements took ``seconds``."""
     global _rate
     if seconds > 0.0:
-        # (nbytes is the packed size: about 0.86 of the elements' bytes.)
-        _rate = max(_rate, nbytes / seconds)
+        _rate = max(_rate, 4 * elems / seconds)
 
 
 def now() -> float:
