@@ -233,5 +233,5 @@ async def test_a_packed_chunk_that_does_not_inflate_is_refused_naming_its_sender
     error = results[0]
     assert isinstance(error, fg.ProtocolError), results
     assert error.peer == 1, error
-    assert "rank 1 sent a packed chunk that is not" in str(error), error
+    assert "rank 1 sent a packed chunk that does not unpack" in str(error), error
     assert "does not inflate" in str(error), error

@@ -275,13 +275,17 @@ class LaneRunner:
             header.has_checksum = True
         return wire.encode(header, payload), payload.nbytes
 
+    def _packs(self, numel: int) -> bool:
+        """Whether a chunk of ``numel`` elements goes packed now."""
+        return self.packable and numel >= planes.MIN_ELEMS and self.gauge.packs()
+
     def _packed_message(
         self, header: pb.ChunkHeader, data: torch.Tensor
     ) -> tuple[bytes, int] | None:
         """The message carrying the float32 ``data`` packed (planes.py),
         if this lane packs it now and packing makes it smaller; else None."""
         n = data.numel()
-        if not self.packable or n < planes.MIN_ELEMS or not self.gauge.packs():
+        if not self._packs(n):
             return None
         began = planes.now()
         top = planes.top_plane(data)
@@ -398,7 +402,8 @@ class LaneRunner:
         send = self.forwards[index]
         header = self._forward_header(index)
         local = self.job.buffer[send.lo : send.hi]
-        if incoming is not None and self.wire is None and self.gauge.packs():
+        partial = None
+        if incoming is not None and self._packs(incoming.numel()):
             partial = self._sums.empty(incoming.numel())
             reduce(local, incoming, partial)
             packed = self._packed_message(header, partial)
@@ -406,7 +411,9 @@ class LaneRunner:
                 return packed
         nbytes = (send.hi - send.lo) * self.wire_itemsize
         frame = self._frame(header, nbytes)
-        if incoming is not None:
+        if partial is not None:  # (reduced, but it does not pack smaller)
+            frame.payload(local.dtype).copy_(partial)
+        elif incoming is not None:
             if self.wire is None:
                 reduce(local, incoming, frame.payload(local.dtype))
             else:
@@ -520,7 +527,10 @@ class LaneRunner:
             planes.unpack(payload, top, out)
         except ValueError as exc:
             raise self._error(
-                ProtocolError, f"rank {self.left} sent a packed chunk that is not: {exc}", self.left
+                ProtocolError,
+                f"rank {self.left} sent a packed chunk that does not unpack ({exc}); it was "
+                "discarded",
+                self.left,
             ) from exc
         return out
 
