@@ -14,8 +14,9 @@ bytes on the wire, for about 5 ns of CPU per element packed and 4 ns
 unpacked (1.3 and 1.1 ms per MiB of float32, one core of this project's
 machine). Where the link outruns the CPU (loopback, 10 Gbit/s on two
 cores) that is a loss; so the ring packs only where its writes show the
-link is the bottleneck (see :class:`LinkGauge`). Unpacking restores every bit: reductions see the same
-float32 values, and so the results are bit-identical to unpacked ones.
+link is the bottleneck (see :class:`LinkGauge`). Unpacking restores every
+bit: reductions see the same float32 values, and so the results are
+bit-identical to unpacked ones.
 
 The header carries the deflated plane's length (``packed_top``); the rest
 of the payload is three bytes an element. A payload that does not
