@@ -32,8 +32,10 @@ _FIELDS = (
 )
 
 # The streams' protocol version, in every descriptor: 2, a ring ends with
-# world - 1 end markers and no round trip ([Note: end markers], ring.py).
-PROTOCOL = 2
+# world - 1 end markers and no round trip ([Note: end markers], ring.py);
+# 3, a ring's float32 chunks may come packed (transport/planes.py), which
+# a rank of version 2 would take for a chunk of the wrong size.
+PROTOCOL = 3
 
 _REDUCING = (pb.ALL_REDUCE, pb.REDUCE_SCATTER)
 
