@@ -8,6 +8,7 @@ only for a slow link to another host."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import zlib
 
 import pytest
@@ -204,6 +205,22 @@ async def test_packed_collectives_give_the_same_bits_in_fewer_bytes(
     # Normal values: the top plane deflates to under half, so the payload is
     # under 7/8 of float32's.
     assert packed_sent < 0.9 * plain_sent, (packed_sent, plain_sent)
+
+
+async def test_a_link_that_starts_packing_says_so_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("FERROGRPC_PACK", "on")
+    caplog.set_level(logging.INFO, logger="ferrogrpc")
+    async with fg.testing.local_group(2, transport="grpc") as peers:
+        for _ in range(2):
+            tensors = [torch.randn(1 << 20) for _ in peers]
+            await asyncio.gather(*(p.all_reduce(t) for p, t in zip(peers, tensors, strict=True)))
+    lines = sorted(r.getMessage() for r in caplog.records if "now travel" in r.getMessage())
+    assert len(lines) == 2, lines  # one a link, however many chunks
+    assert lines[0].startswith("float32 chunks to rank 0 (127.0.0.1:"), lines
+    assert lines[0].endswith("now travel packed: FERROGRPC_PACK=on"), lines
+    assert lines[1].startswith("float32 chunks to rank 1 (127.0.0.1:"), lines
 
 
 async def test_a_packed_chunk_that_does_not_inflate_is_refused_naming_its_sender(

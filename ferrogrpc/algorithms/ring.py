@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -25,6 +26,7 @@ import torch
 from ..counter import Counter
 from ..errors import Evidence, FerroGrpcError, PeerError, ProtocolError
 from ..failure.watchdog import Watchdog
+from ..observe import logs
 from ..ops import ReduceOp
 from ..transport import integrity, planes, wire
 from ..transport.streams import InStream, OutStream
@@ -277,7 +279,36 @@ class LaneRunner:
 
     def _packs(self, numel: int) -> bool:
         """Whether a chunk of ``numel`` elements goes packed now."""
-        return self.packable and numel >= planes.MIN_ELEMS and self.gauge.packs()
+        if not self.packable or numel < planes.MIN_ELEMS:
+            return False
+        gauge = self.gauge
+        switches = gauge.switches
+        packing = gauge.packs()
+        if gauge.switches != switches:
+            self._log_packing(gauge, first=switches == 0)
+        return packing
+
+    def _log_packing(self, gauge: planes.LinkGauge, first: bool) -> None:
+        """Say that this link's chunks start or stop travelling packed: at
+        INFO the first time, at DEBUG after (a link near the gauge's
+        threshold may switch back and forth)."""
+        if gauge.mode != "auto":
+            why = f"FERROGRPC_PACK={gauge.mode}"
+        else:
+            why = (
+                f"its chunk writes run at {gauge.link_rate() / 1e6:.0f} MB/s, this rank "
+                f"packs {planes.packing_rate() / 1e6:.0f} MB/s"
+            )
+        state = "packed" if gauge.packing else "unpacked"
+        logs.for_rank(self.ctx.identity).log(
+            logging.INFO if first else logging.DEBUG,
+            "float32 chunks to rank %d (%s) now travel %s: %s",
+            self.right,
+            self.ctx.identity.address_of(self.right),
+            state,
+            why,
+            extra={"op": self.job.name, "seq": self.job.seq, "peer": self.right},
+        )
 
     def _packed_message(
         self, header: pb.ChunkHeader, data: torch.Tensor

@@ -115,12 +115,14 @@ class LinkGauge:
     SLOWER_THAN = 0.25
     DECAY = 0.9
 
-    __slots__ = ("_bytes", "_seconds", "mode")
+    __slots__ = ("_bytes", "_seconds", "mode", "packing", "switches")
 
     def __init__(self, mode: str = "auto") -> None:
         self.mode = mode
         self._bytes = 0.0
         self._seconds = 0.0
+        self.packing = False  # its last answer
+        self.switches = 0  # how often its answer changed
 
     def link_rate(self) -> float:
         """The link's bytes per second, as the writes that waited saw it
@@ -130,8 +132,13 @@ class LinkGauge:
     def packs(self) -> bool:
         """Whether the next chunk goes packed."""
         if self.mode != "auto":
-            return self.mode == "on"
-        return 0.0 < self.link_rate() < self.SLOWER_THAN * packing_rate()
+            packing = self.mode == "on"
+        else:
+            packing = 0.0 < self.link_rate() < self.SLOWER_THAN * packing_rate()
+        if packing != self.packing:
+            self.packing = packing
+            self.switches += 1
+        return packing
 
     def wrote(self, nbytes: int, seconds: float) -> None:
         """A chunk write of ``nbytes`` took ``seconds``."""
