@@ -63,27 +63,35 @@ def test_the_round_trip_is_added_between_hosts_and_not_to_a_host_itself() -> Non
     assert itself < 0.1, itself
 
 
-@pytest.mark.timeout(40)
-def test_the_link_bench_runs_on_a_shaped_link(tmp_path: Path) -> None:
+def _bench(figures: Path, size: str, pack: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``ferrogrpc bench --link 100mbit`` at world 2, one ``size``, with
+    ``FERROGRPC_PACK=pack``; its figures in ``figures``. Asserts it passed."""
     assert os.geteuid() == 0, "needs root for ip netns, tc and iptables (CI runs as root)"
-    figures = tmp_path / "link.json"
-    began = time.monotonic()
     proc = subprocess.run(
         [
             *(sys.executable, "-m", "client.bench", "--link", "100mbit"),
-            *("--world-sizes", "2", "--sizes", "1M", "--iters", "2", "--warmup", "1"),
+            *("--world-sizes", "2", "--sizes", size, "--iters", "2", "--warmup", "1"),
             *("--ceiling-s", "0.4", "--json", str(figures)),
         ],
         cwd=ROOT,
-        # Every byte as it is (packed chunks have their own test below).
-        env=dict(clean_env(), FERROGRPC_PACK="off"),
+        env=dict(clean_env(), FERROGRPC_PACK=pack),
         capture_output=True,
         text=True,
-        timeout=35,
+        timeout=timeout,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "# results ok" in proc.stdout, out
+    return proc
+
+
+@pytest.mark.timeout(40)
+def test_the_link_bench_runs_on_a_shaped_link(tmp_path: Path) -> None:
+    figures = tmp_path / "link.json"
+    began = time.monotonic()
+    # Every byte as it is (packed chunks have their own test below).
+    proc = _bench(figures, "1M", "off", timeout=35)
+    out = proc.stdout + proc.stderr
     for field in ("ceiling", "%link", "%ceil", "x gloo", "wire MB", "x ring", "data path grpc"):
         assert field in proc.stdout, (field, out)
     (link,) = json.loads(figures.read_text())
@@ -115,24 +123,9 @@ def test_a_slow_link_carries_packed_chunks(tmp_path: Path) -> None:
     # (FERROGRPC_PACK=auto, the default): fewer bytes cross it than the
     # ring's float32 bytes, and every result is still right (the bench
     # checks each against the float64 sum of the ranks' normal values).
-    assert os.geteuid() == 0, "needs root for ip netns, tc and iptables (CI runs as root)"
+    # 8 MiB: chunks of 1 MiB, the least that is packed.
     figures = tmp_path / "link.json"
-    proc = subprocess.run(
-        [
-            *(sys.executable, "-m", "client.bench", "--link", "100mbit"),
-            # (8 MiB: chunks of 1 MiB, the least that is packed.)
-            *("--world-sizes", "2", "--sizes", "8M", "--iters", "2", "--warmup", "1"),
-            *("--ceiling-s", "0.4", "--json", str(figures)),
-        ],
-        cwd=ROOT,
-        env={k: v for k, v in clean_env().items() if k != "FERROGRPC_PACK"},
-        capture_output=True,
-        text=True,
-        timeout=55,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    assert "# results ok" in proc.stdout, out
+    _bench(figures, "8M", "auto", timeout=55)
     (link,) = json.loads(figures.read_text())
     (world,) = link["worlds"]
     rows = {row["impl"]: row for row in world["rows"]}
