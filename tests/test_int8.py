@@ -340,6 +340,13 @@ def test_the_rounding_thread_lingers_between_calls_then_exits(
         time.sleep(0.05)
     rounder.submit(note).result(timeout=5)  # a new one starts
     assert len(ran) == 3
+    # At exit (atexit calls close), the idle thread goes at once.
+    monkeypatch.setattr(quantized._Rounder, "LINGER_S", 60.0)
+    rounder.submit(note).result(timeout=5)
+    began = time.monotonic()
+    rounder.close()
+    assert time.monotonic() - began < 0.5
+    assert not any(t.ident == ran[-1] and t.is_alive() for t in threading.enumerate())
     # A forked child (in a process of its own here, away from this one's
     # gRPC threads) submits to a rounder whose thread stayed in the parent.
     child = """

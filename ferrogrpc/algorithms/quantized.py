@@ -44,6 +44,7 @@ carried error starts again from zero.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import contextlib
 import copy
@@ -75,13 +76,16 @@ class _Rounder:
     outlives a run by more than that. Lingering, because starting a thread
     cost the caller 1.5 ms on this project's 2-core machine (the start
     waits for the new thread to run), and int8 all-reduces come in runs:
-    DDP's buckets, a step apart; DiLoCo's fragments, H / F steps apart."""
+    DDP's buckets, a step apart; DiLoCo's fragments, H / F steps apart.
+    At the interpreter's exit an idle thread is let go at once (atexit),
+    not left for the finalization to stop."""
 
     LINGER_S = 2.0
 
     def __init__(self) -> None:
         self._reset()
         os.register_at_fork(after_in_child=self._reset)
+        atexit.register(self.close)
 
     def _reset(self) -> None:
         # (In a forked child too: the parent's thread is not there.)
@@ -90,6 +94,20 @@ class _Rounder:
             collections.deque()
         )
         self._running = False
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def close(self) -> None:
+        """Let the thread go once its queue is empty, and wait for it (up to
+        a second); a later submit starts a new one."""
+        with self._ready:
+            self._closing = True
+            self._ready.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=1.0)
+        with self._ready:
+            self._closing = False
 
     def submit(self, fn: Callable[[], None]) -> Future[None]:
         future: Future[None] = Future()
@@ -99,16 +117,21 @@ class _Rounder:
                 self._ready.notify()
             else:
                 self._running = True
-                threading.Thread(target=self._drain, name="ferrogrpc-int8", daemon=True).start()
+                self._thread = threading.Thread(
+                    target=self._drain, name="ferrogrpc-int8", daemon=True
+                )
+                self._thread.start()
         return future
 
     def _drain(self) -> None:
         while True:
             with self._ready:
                 if not self._queue:
-                    self._ready.wait(self.LINGER_S)
+                    if not self._closing:
+                        self._ready.wait(self.LINGER_S)
                     if not self._queue:
                         self._running = False
+                        self._thread = None
                         return
                 fn, future = self._queue.popleft()
             if future.set_running_or_notify_cancel():
