@@ -144,9 +144,13 @@ def _values(n: int, rank: int, world: int) -> tuple[Any, Any]:
         return torch.randn(n, generator=torch.Generator().manual_seed(1000 + r))
 
     total = torch.zeros(n, dtype=torch.float64)
+    mine = torch.empty(0)
     for r in range(world):
-        total += of(r)
-    return of(rank), total
+        values = of(r)
+        total += values
+        if r == rank:
+            mine = values
+    return mine, total
 
 
 def _bytes_of(call: Callable[[], object], device: str, times: int = 5) -> int:

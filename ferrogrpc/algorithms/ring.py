@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -267,9 +268,10 @@ class LaneRunner:
         if self.wire is not None:
             # An all-gather's own block: as every other rank gets it.
             return self._narrowed_message(header, data, self.job.kind == pb.ALL_GATHER)
-        packed = self._packed_message(header, data)
-        if packed is not None:
-            return packed
+        if self._packs(data.numel()):
+            packed = self._packed_message(header, data)
+            if packed is not None:
+                return packed
         payload = bytes_view(data)
         checksum = self.ctx.checksum
         if checksum is not None:
@@ -313,12 +315,10 @@ class LaneRunner:
     def _packed_message(
         self, header: pb.ChunkHeader, data: torch.Tensor
     ) -> tuple[bytes, int] | None:
-        """The message carrying the float32 ``data`` packed (planes.py),
-        if this lane packs it now and packing makes it smaller; else None."""
+        """The message carrying the float32 ``data`` packed (planes.py), if
+        packing makes it smaller; else None. (The caller asked _packs.)"""
         n = data.numel()
-        if not self._packs(n):
-            return None
-        began = planes.now()
+        began = time.perf_counter()
         top = planes.top_plane(data)
         if len(top) >= n:
             return None
@@ -329,7 +329,7 @@ class LaneRunner:
         payload[: len(top)].copy_(torch.frombuffer(top, dtype=torch.uint8))
         planes.write_low(data, payload[len(top) :])
         del payload  # (not used past the seal)
-        planes.saw_packing(n, planes.now() - began)
+        planes.saw_packing(n, time.perf_counter() - began)
         return self._seal(header, frame), nbytes
 
     async def _send_chunks(
@@ -354,9 +354,9 @@ class LaneRunner:
             del held
             if not described.done():
                 await described
-            began = planes.now()
+            began = time.perf_counter()
             await self._write(stream, message, item.step)
-            self.gauge.wrote(len(message), planes.now() - began)
+            self.gauge.wrote(len(message), time.perf_counter() - began)
             stats.sent(self.right, nbytes)
 
     def _narrowed_message(
