@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import zlib
 
 import pytest
@@ -128,6 +129,24 @@ def test_the_packing_rate_is_the_best_seen(monkeypatch: pytest.MonkeyPatch) -> N
     assert planes.packing_rate() == calibrated
     planes.saw_packing(1 << 18, (1 << 20) / (2 * calibrated))
     assert planes.packing_rate() == pytest.approx(2 * calibrated)
+
+
+def test_a_rate_calibrated_on_a_busy_core_is_measured_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A calibration taken while the core was busy (here: a rate 1000x too
+    # low); within REMEASURE_S it stands, after it one packing raises it.
+    true_rate = planes._measure(3)
+    monkeypatch.setattr(planes, "_rate", true_rate / 1000)
+    monkeypatch.setattr(planes, "_measured_at", time.monotonic())
+    assert planes.packing_rate() == true_rate / 1000
+    planes._measured_at -= planes.REMEASURE_S + 1
+    assert planes.packing_rate() > true_rate / 100
+    # A rate measured lower later does not lower it.
+    monkeypatch.setattr(planes, "_measure", lambda attempts: 1.0)
+    raised = planes.packing_rate()
+    planes._measured_at -= planes.REMEASURE_S + 1
+    assert planes.packing_rate() == raised
 
 
 def test_auto_never_packs_for_a_peer_on_this_host() -> None:

@@ -149,27 +149,42 @@ class LinkGauge:
 
 
 _rate: float = 0.0
+_measured_at = 0.0  # time.monotonic() of the last measurement
+# How often the rate is measured again (one packing of 1 MiB, about 1.3 ms):
+# a process that calibrated while its core was busy (every rank of a job
+# starts at once, beside its data loading) would otherwise hold a rate
+# several times too low for its whole run, and never pack a link it should.
+REMEASURE_S = 20.0
+
+
+def _measure(attempts: int) -> float:
+    """Bytes of float32 a second: the best of ``attempts`` packings of
+    1 MiB of normal values, after one to warm up."""
+    sample = torch.randn(1 << 18, generator=torch.Generator().manual_seed(0))
+    low = torch.empty(3 * sample.numel(), dtype=torch.uint8)
+    best = float("inf")
+    for attempt in range(attempts + 1):
+        began = time.perf_counter()
+        top_plane(sample)
+        write_low(sample, low)
+        if attempt:
+            best = min(best, time.perf_counter() - began)
+    return 4 * sample.numel() / max(best, 1e-6)
 
 
 def packing_rate() -> float:
     """Bytes of float32 this process packs a second: the best of nine
-    packings of 1 MiB of normal values (after one to warm up), measured on
-    the first call; raised since by any faster packing of a chunk. The
-    best, because a rank starts beside others (every rank of a job
-    calibrates at once) and whatever shares its core slows a packing:
-    the gauge wants what packing costs, not what it cost that moment."""
-    global _rate
-    if _rate == 0.0:
-        sample = torch.randn(1 << 18, generator=torch.Generator().manual_seed(0))
-        low = torch.empty(3 * sample.numel(), dtype=torch.uint8)
-        best = float("inf")
-        for attempt in range(10):
-            began = time.perf_counter()
-            top_plane(sample)
-            write_low(sample, low)
-            if attempt:
-                best = min(best, time.perf_counter() - began)
-        _rate = 4 * sample.numel() / max(best, 1e-6)
+    packings of 1 MiB of normal values on the first call, raised since by
+    any faster packing of a chunk, and by one packing of 1 MiB every
+    ``REMEASURE_S`` seconds at most. The best, because a rank starts beside
+    others (every rank of a job calibrates at once) and whatever shares its
+    core slows a packing: the gauge wants what packing costs, not what it
+    cost that moment."""
+    global _rate, _measured_at
+    now = time.monotonic()
+    if _rate == 0.0 or now - _measured_at > REMEASURE_S:
+        _rate = max(_rate, _measure(9 if _rate == 0.0 else 1))
+        _measured_at = now
     return _rate
 
 
