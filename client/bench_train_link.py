@@ -328,7 +328,7 @@ def _lm_worker(args: argparse.Namespace) -> None:
     def raw_tcp(model: nn.Module, inner: Any) -> tuple[Any, Any, Any]:
         """The model alone, while the bytes of DiLoCo with ``--fragments``
         cross the link at the same steps on a plain socket (_RawRing)."""
-        width = {"fp32": 4, "bf16": 2, "int8": 1}[args.diloco_compression]
+        width = {"fp32": 4, "bf16": 2, "int8": 1, "int4": 0.5}[args.diloco_compression]
         elements = sum(p.numel() for p in model.parameters())
         # A ring all-reduce sends 2(n-1)/n of the fragment.
         nbytes = max(1, int(2 * (world - 1) / world * elements * width / args.fragments))
@@ -504,7 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--block", type=int, default=250, help="lm: the steps each implementation runs per turn"
     )
-    parser.add_argument("--diloco-compression", choices=["fp32", "bf16", "int8"], default="bf16")
+    parser.add_argument(
+        "--diloco-compression", choices=["fp32", "bf16", "int8", "int4"], default="bf16"
+    )
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--only", nargs="*", help="only these implementations")

@@ -62,6 +62,11 @@ class ReduceOp(enum.Enum):
         return self in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
+# torch.int4 (torch >= 2.5) is missing from torch's type stubs. It names a
+# wire dtype of all_reduce only (algorithms/quantized.py): no tensor of it
+# is made.
+INT4: torch.dtype = torch.int4  # type: ignore[attr-defined]
+
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
     torch.float64,

@@ -32,19 +32,20 @@ def _block_max(t: torch.Tensor, blocks: int) -> torch.Tensor:
     return padded.view(blocks, BLOCK).amax(dim=1)
 
 
-def bound(inputs: list[torch.Tensor], mean: bool) -> torch.Tensor:
+def bound(inputs: list[torch.Tensor], mean: bool, qmax: int = 127) -> torch.Tensor:
     """The documented bound, elementwise, computed here from the inputs
-    alone: half an int8 step of each rank's block, plus half a step of the
+    alone: half a step of each rank's block, plus half a step of the
     result's block (whose largest magnitude is at most the exact result's
-    plus the first term). Shards are whole blocks, so blocks of the tensor
-    are blocks of the shards."""
+    plus the first term); a step is the block's largest magnitude / qmax.
+    Shards are whole blocks, so blocks of the tensor are blocks of the
+    shards."""
     world, numel = len(inputs), inputs[0].numel()
     blocks = -(-numel // BLOCK) + world  # enough for any shard padding
-    first = sum(_block_max(t, blocks) for t in inputs) / 127 / 2
+    first = sum(_block_max(t, blocks) for t in inputs) / qmax / 2
     exact = torch.stack([t.double() for t in inputs]).sum(0)
     if mean:
         first, exact = first / world, exact / world
-    second = (_block_max(exact, blocks) + first) / 127 / 2
+    second = (_block_max(exact, blocks) + first) / qmax / 2
     per_block = (first + second) * (1 + 1e-5) + 1e-12
     return per_block.repeat_interleave(BLOCK)[:numel]
 
@@ -82,6 +83,28 @@ def test_rounding_stays_within_127_and_half_a_step_at_every_magnitude(dtype: tor
     assert torch.allclose(error.double(), v.double() - q.double() * step, rtol=1e-6, atol=0)
 
 
+def test_int4_packs_every_value_two_to_a_byte() -> None:
+    # Every pair of values in -7..7, each in either nibble, comes back
+    # unchanged from half as many bytes.
+    grid = torch.cartesian_prod(torch.arange(-7, 8), torch.arange(-7, 8)).reshape(-1)
+    values = torch.cat([grid, torch.zeros(-grid.numel() % BLOCK, dtype=torch.int64)])
+    out = torch.empty(values.numel() // 2, dtype=torch.uint8)
+    quantized.INT4.store(out, values.double())
+    assert torch.equal(quantized.INT4.load(out).long(), values)
+    # Rounding to int4 stays in range and within half a step.
+    gen = torch.Generator().manual_seed(5)
+    v = torch.randn(64, BLOCK, generator=gen, dtype=torch.float64)
+    packed = torch.empty(64 * BLOCK // 2, dtype=torch.uint8)
+    scales = torch.empty(64, dtype=torch.float32)
+    error = torch.empty_like(v)
+    quantized.round_blocks(v, packed, scales, error, torch.empty_like(v), quantized.INT4)
+    q = quantized.INT4.load(packed).view(64, BLOCK).double()
+    assert int(q.min()) == -7 and int(q.max()) == 7
+    step = scales.double()[:, None]
+    assert bool(((v - q * step).abs() <= step * (0.5 + 1e-6)).all())
+    assert torch.allclose(error, v - q * step, rtol=1e-6, atol=0)
+
+
 # (numel, piece): one piece, or (the last) many that pipeline.
 SIZES = [(5, None), (1000, None), (70_001, None), (70_001, 16 * BLOCK)]
 
@@ -91,6 +114,26 @@ SIZES = [(5, None), (1000, None), (70_001, None), (70_001, 16 * BLOCK)]
 @pytest.mark.parametrize("world", [2, 3])
 async def test_an_int8_all_reduce_is_within_its_bound_and_the_same_everywhere(
     world: int, op: str, numel: int, piece: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await _within_bound(world, op, numel, piece, monkeypatch, torch.int8, 127)
+
+
+@pytest.mark.parametrize(("numel", "piece"), [SIZES[1], SIZES[3]])
+@pytest.mark.parametrize("world", [2, 3])
+async def test_an_int4_all_reduce_is_within_its_bound_and_the_same_everywhere(
+    world: int, numel: int, piece: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await _within_bound(world, "mean", numel, piece, monkeypatch, torch.int4, 7)
+
+
+async def _within_bound(
+    world: int,
+    op: str,
+    numel: int,
+    piece: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+    wire: torch.dtype,
+    qmax: int,
 ) -> None:
     if piece is not None:
         monkeypatch.setattr(quantized, "PIECE", piece)
@@ -103,7 +146,7 @@ async def test_an_int8_all_reduce_is_within_its_bound_and_the_same_everywhere(
         before = fg.testing.stats(peers[0]).bytes_sent
         out = [t.clone() for t in inputs]
         await asyncio.gather(
-            *(p.all_reduce(t, op, wire_dtype=torch.int8) for p, t in zip(peers, out, strict=True))
+            *(p.all_reduce(t, op, wire_dtype=wire) for p, t in zip(peers, out, strict=True))
         )
         sent = fg.testing.stats(peers[0]).bytes_sent - before
         full = [t.clone() for t in inputs]
@@ -114,14 +157,19 @@ async def test_an_int8_all_reduce_is_within_its_bound_and_the_same_everywhere(
     if op == "mean":
         reference /= world
     err = (out[0].double() - reference).abs()
-    limit = bound(inputs, op == "mean")
+    limit = bound(inputs, op == "mean", qmax)
     assert bool((err <= limit).all()), float((err - limit).max())
     assert float(err.max()) > 0  # really rounded
     for t in out[1:]:
         assert torch.equal(t, out[0])  # the same bits on every rank
     if numel >= 70_000:
-        # About a quarter of float32's bytes (1 + 4/BLOCK bytes an element).
-        assert sent < 0.3 * sent_full, (sent, sent_full)
+        # About a quarter of float32's bytes (1 + 4/BLOCK bytes an element),
+        # or an eighth for int4 (1/2 + 4/BLOCK).
+        share = 0.3 if wire == torch.int8 else 0.15
+        assert sent < share * sent_full, (sent, sent_full)
+        if wire == torch.int4:
+            # The int4 bound is really looser than int8's: it is int4's.
+            assert float(err.max()) > float(bound(inputs, op == "mean", 127).max())
 
 
 async def _int8(peer: fg.Peer, t: torch.Tensor, op: str = "sum") -> torch.Tensor:

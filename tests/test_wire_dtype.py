@@ -133,6 +133,10 @@ async def test_wire_dtype_is_checked() -> None:
             peers[0].all_gather(torch.ones(4), wire_dtype=torch.int8)
         with pytest.raises(fg.ConfigError, match=r"rank 0.*int8 is all_reduce's only"):
             await asyncio.wait_for(peers[1].all_gather(torch.ones(4)), 10)
+        with pytest.raises(fg.ConfigError, match=r"int4 is all_reduce's only"):
+            peers[0].reduce_scatter(torch.ones(4), wire_dtype=torch.int4)
+        with pytest.raises(fg.ConfigError, match=r"rank 0.*int4 is all_reduce's only"):
+            await asyncio.wait_for(peers[1].reduce_scatter(torch.ones(4)), 10)
         # Ranks that disagree on the wire dtype are told so.
         results = await asyncio.gather(
             peers[0].all_reduce(torch.ones(1 << 17), wire_dtype=torch.bfloat16),

@@ -1,5 +1,6 @@
-"""int8 on the wire: blockwise-scaled quantization, the all-reduce built on
-it, and the error feedback that DDP's ``compression="int8"`` carries.
+"""int8 and int4 on the wire: blockwise-scaled quantization, the all-reduce
+built on it, and the error feedback that DDP's ``compression="int8"``
+carries.
 
 [Note: int8 all-reduce]
 A ring that adds int8 partial sums would round each partial sum again at
@@ -31,6 +32,13 @@ largest magnitude / 127, rounding to nearest):
 (for a mean, the first term divided by the world size). That is at most
 half of one int8 step of each input block, plus one of the result's.
 
+int4 (``wire_dtype=torch.int4``; DiLoCo's ``compression="int4"``) is the
+same all-reduce with values in -7..7, two to a byte, and scales of
+``max|v_block| / 7``: 1/2 + 4/BLOCK bytes an element, about half of int8's,
+and the same bound with those scales (18 times int8's). It is meant for
+what is averaged rarely and tolerates it, as DiLoCo's pseudo-gradients
+(arXiv 2501.18512 sends them in 4 bits), not for gradients every step.
+
 Error feedback (``ErrorFeedback``, DDP's ``compression="int8"``): what
 step 1 rounded away on this rank is added to the next call's input, and
 what step 4 rounded away on the shard's owner to the next call's sum. No
@@ -53,18 +61,18 @@ import os
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import torch
 
 from ..errors import FerroGrpcError
+from ..ops import INT4 as INT4_DTYPE
 from ..ops import ReduceOp
 
 BLOCK = 256  # elements per scale
 CHUNK = 4096 * BLOCK  # elements rounded at a time (bounds the scratch memory)
 PIECE = 4 * CHUNK  # elements of a tensor's pieces, which pipeline (16 MiB of float32)
 IN_FLIGHT = 2  # pieces exchanged at a time
-_QMAX = 127.0
 _SCALE_BYTES = 4  # one float32 per block
 _TINY = 1e-30  # a block whose scale is below this is sent as zeros
 
@@ -146,10 +154,49 @@ class _Rounder:
 _ROUNDER = _Rounder()
 
 
-def packed_bytes(elements: int) -> int:
-    """Bytes of ``elements`` (a multiple of BLOCK) packed: int8 values, then
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """How a value travels: an integer of ``bits`` bits in ``[-qmax, qmax]``
+    (int8: -127..127; int4: -7..7, two to a byte, the even element in the
+    low nibble), a multiple of its block's scale."""
+
+    name: str
+    bits: int
+    qmax: float
+
+    def value_bytes(self, elements: int) -> int:
+        """Bytes of ``elements`` values (a multiple of BLOCK)."""
+        return elements * self.bits // 8
+
+    def store(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        """Write the rounded values ``t`` (integers in range, any float
+        dtype) into ``out``: their int8, or for int4 their packed bytes."""
+        if self.bits == 8:
+            out.copy_(t)
+            return
+        values = t.reshape(-1).to(torch.int8)
+        low, high = values[0::2], values[1::2]
+        out.view(torch.int8).view(-1).copy_(low.bitwise_and_(0x0F).bitwise_or_(high << 4))
+
+    def load(self, raw: torch.Tensor) -> torch.Tensor:
+        """The values in ``raw`` (what :meth:`store` wrote), as int8."""
+        if self.bits == 8:
+            return raw.view(torch.int8)
+        packed = raw.view(torch.int8).reshape(-1)
+        # Arithmetic shifts: each nibble's sign comes back with it.
+        return torch.stack(((packed << 4) >> 4, packed >> 4), dim=1).view(-1)
+
+
+INT8: Final = Format("int8", 8, 127.0)
+INT4: Final = Format("int4", 4, 7.0)
+# The wire dtypes of all_reduce that take this path.
+FORMATS: Final = {torch.int8: INT8, INT4_DTYPE: INT4}
+
+
+def packed_bytes(elements: int, fmt: Format = INT8) -> int:
+    """Bytes of ``elements`` (a multiple of BLOCK) packed: their values, then
     one float32 scale per block."""
-    return elements + (elements // BLOCK) * _SCALE_BYTES
+    return fmt.value_bytes(elements) + (elements // BLOCK) * _SCALE_BYTES
 
 
 def shard_elements(numel: int, world: int) -> int:
@@ -159,16 +206,28 @@ def shard_elements(numel: int, world: int) -> int:
 
 
 class _Packed:
-    """A shard of ``elements`` packed in the uint8 ``raw``: its int8 values,
-    then its float32 scales."""
+    """A shard of ``elements`` packed in the uint8 ``raw``: its values in
+    ``fmt``, then its float32 scales."""
 
-    def __init__(self, raw: torch.Tensor, elements: int) -> None:
-        self.q = raw[:elements].view(torch.int8)
-        self.scales = raw[elements : packed_bytes(elements)].view(torch.float32)
+    def __init__(self, raw: torch.Tensor, elements: int, fmt: Format) -> None:
+        self.fmt = fmt
+        n = fmt.value_bytes(elements)
+        self.values = raw[:n]
+        self.scales = raw[n : packed_bytes(elements, fmt)].view(torch.float32)
+
+    def slot(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where elements [lo, hi) (whole blocks) are written: their bytes
+        (int8 values as blocks), and their scales."""
+        bits = self.fmt.bits
+        raw = self.values[lo * bits // 8 : hi * bits // 8]
+        q = raw.view(torch.int8).view(-1, BLOCK) if bits == 8 else raw
+        return q, self.scales[lo // BLOCK : hi // BLOCK]
 
     def chunk(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Elements [lo, hi) (whole blocks): values as blocks, and scales."""
-        return self.q[lo:hi].view(-1, BLOCK), self.scales[lo // BLOCK : hi // BLOCK]
+        """Elements [lo, hi) (whole blocks): int8 values as blocks, and scales."""
+        bits = self.fmt.bits
+        raw = self.values[lo * bits // 8 : hi * bits // 8]
+        return self.fmt.load(raw).view(-1, BLOCK), self.scales[lo // BLOCK : hi // BLOCK]
 
 
 def round_blocks(
@@ -177,24 +236,26 @@ def round_blocks(
     scales: torch.Tensor,
     error: torch.Tensor | None,
     scratch: torch.Tensor,
+    fmt: Format = INT8,
 ) -> None:
-    """Round the blocks ``v`` (rows of BLOCK) to int8 ``q`` with one float32
-    scale each (largest magnitude / 127, to nearest); write into ``error``
-    (``v``'s shape; may be ``v`` itself) what the rounding lost, as the
-    receivers will see it. ``scratch``: as many elements as ``v``, its dtype."""
+    """Round the blocks ``v`` (rows of BLOCK) to ``fmt``'s integers, written
+    into ``q`` (:meth:`_Packed.slot`'s), with one float32 scale each
+    (largest magnitude / qmax, to nearest); write into ``error`` (``v``'s
+    shape; may be ``v`` itself) what the rounding lost, as the receivers
+    will see it. ``scratch``: as many elements as ``v``, its dtype."""
     largest = torch.maximum(v.amax(dim=1), v.amin(dim=1).neg_())
-    scale32 = (largest / _QMAX).to(torch.float32)
+    scale32 = (largest / fmt.qmax).to(torch.float32)
     scales.copy_(scale32)
     scale = scale32.to(v.dtype)
     inverse = torch.where(scale > _TINY, scale.reciprocal(), torch.zeros_like(scale))
     t = scratch.view(v.shape)
     torch.mul(v, inverse[:, None], out=t)
-    # No clamp: |v| <= largest, so |v * inverse| <= 127 * (1 + a few ulps),
-    # which rounds to 127 at most (the rounding test checks every magnitude).
+    # No clamp: |v| <= largest, so |v * inverse| <= qmax * (1 + a few ulps),
+    # which rounds to qmax at most (the rounding test checks every magnitude).
     t.round_()
     if error is not None:
         torch.addcmul(v, t, scale[:, None], value=-1, out=error)
-    q.copy_(t)
+    fmt.store(q, t)
 
 
 def add_blocks(into: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, first: bool) -> None:
@@ -273,13 +334,14 @@ class Collectives(Protocol):
     ) -> Coroutine[Any, Any, torch.Tensor]: ...
 
 
-def all_reduce_int8(
+def all_reduce_quantized(
     peer: Collectives,
     tensor: torch.Tensor,
     op: ReduceOp,
     feedback: ErrorFeedback | None = None,
+    fmt: Format = INT8,
 ) -> Coroutine[Any, Any, torch.Tensor]:
-    """The int8 all-reduce of [Note: int8 all-reduce], in place on ``tensor``
+    """The all-reduce of [Note: int8 all-reduce] in ``fmt``, in place on ``tensor``
     (float32 or float64, SUM or MEAN; the caller checked), in pieces of at
     most PIECE elements that pipeline: a piece's exchange is on the wire
     while the next one is rounded and the last one's result is summed or
@@ -290,7 +352,7 @@ def all_reduce_int8(
     numel = tensor.numel() - exact
     count = max(1, -(-numel // PIECE))
     if count == 1:
-        return _named(_all_reduce_piece(peer, tensor, op, feedback))
+        return _named(_all_reduce_piece(peer, tensor, op, feedback, fmt), fmt)
     flat = tensor.detach().reshape(-1)
     direct = flat.device.type == "cpu" and tensor.is_contiguous()
     work = flat if direct else flat.to("cpu", copy=True)
@@ -298,7 +360,7 @@ def all_reduce_int8(
     pieces = []
     for i in range(count):
         lo, hi = i * PIECE, (i + 1) * PIECE if i + 1 < count else tensor.numel()
-        pieces.append(_all_reduce_piece(peer, work[lo:hi], op, parts[i]))
+        pieces.append(_all_reduce_piece(peer, work[lo:hi], op, parts[i], fmt))
 
     async def run() -> torch.Tensor:
         # Two pieces at a time: one's all-gather is not queued behind every
@@ -314,7 +376,7 @@ def all_reduce_int8(
             if isinstance(result, BaseException):
                 if feedback is not None:
                     feedback.reset()
-                raise as_all_reduce(result) from result
+                raise as_all_reduce(result, fmt) from result
         if not direct:
             with torch.no_grad():
                 tensor.copy_(work.view(tensor.shape))
@@ -323,8 +385,8 @@ def all_reduce_int8(
     return run()
 
 
-def as_all_reduce(exc: BaseException) -> BaseException:
-    """A failure of one of the int8 all-reduce's inner collectives, as the
+def as_all_reduce(exc: BaseException, fmt: Format = INT8) -> BaseException:
+    """A failure of one of the quantized all-reduce's inner collectives, as the
     caller's ``all_reduce`` raises it: the same error (class, rank, peer,
     evidence), named ``all_reduce``, its message saying which inner
     collective failed (the flight record and the other ranks name that
@@ -334,16 +396,16 @@ def as_all_reduce(exc: BaseException) -> BaseException:
     inner = f"{exc.op}#{exc.seq}" if exc.seq is not None else str(exc.op)
     named = copy.copy(exc)
     named.op, named.seq = "all_reduce", None
-    named.message = f"(wire_dtype=int8: its {inner} failed) {exc.message}"
+    named.message = f"(wire_dtype={fmt.name}: its {inner} failed) {exc.message}"
     named.args = (named.message,)
     return named
 
 
-async def _named(call: Coroutine[Any, Any, torch.Tensor]) -> torch.Tensor:
+async def _named(call: Coroutine[Any, Any, torch.Tensor], fmt: Format) -> torch.Tensor:
     try:
         return await call
     except FerroGrpcError as exc:
-        raise as_all_reduce(exc) from exc
+        raise as_all_reduce(exc, fmt) from exc
 
 
 def _all_reduce_piece(
@@ -351,15 +413,16 @@ def _all_reduce_piece(
     tensor: torch.Tensor,
     op: ReduceOp,
     feedback: ErrorFeedback | None,
+    fmt: Format,
 ) -> Coroutine[Any, Any, torch.Tensor]:
-    """One piece of :func:`all_reduce_int8`: an all-to-all and an
+    """One piece of :func:`all_reduce_quantized`: an all-to-all and an
     all-gather; the rounding runs off the event loop, a CHUNK at a time. On
     failure ``tensor`` is unchanged and ``feedback`` reset."""
     world, rank = peer.world_size, peer.rank
     exact = min(feedback.exact, tensor.numel()) if feedback is not None else 0
     numel = tensor.numel() - exact
     shard = shard_elements(numel, world)
-    row = packed_bytes(shard)
+    row = packed_bytes(shard, fmt)
     compute = tensor.dtype  # float32 or float64
     tail = exact * tensor.element_size()
     # An all-to-all row: a packed shard, then the exact tail, both 8-byte
@@ -398,7 +461,7 @@ def _all_reduce_piece(
             assert carried is not None
             carried[:numel].add_(flat)  # now the values to send (the error, after)
         for j in range(world):
-            out = _Packed(send[j * stride : j * stride + row], shard)
+            out = _Packed(send[j * stride : j * stride + row], shard, fmt)
             for lo in range(j * shard, (j + 1) * shard, CHUNK):
                 hi = min(lo + CHUNK, (j + 1) * shard)
                 if carried is not None:
@@ -411,9 +474,9 @@ def _all_reduce_piece(
                     if lo < numel:
                         v[: numel - lo].copy_(flat[lo:numel])
                 blocks = v.view(-1, BLOCK)
-                q, scales = out.chunk(lo - j * shard, hi - j * shard)
+                q, scales = out.slot(lo - j * shard, hi - j * shard)
                 err = blocks if carried is not None else None
-                round_blocks(blocks, q, scales, err, scratch[: hi - lo])
+                round_blocks(blocks, q, scales, err, scratch[: hi - lo], fmt)
         if exact:
             unrounded = tensor.detach().reshape(-1)[numel:].cpu().contiguous()
             for j in range(world):
@@ -421,9 +484,9 @@ def _all_reduce_piece(
                 send[at : at + tail].copy_(unrounded.view(torch.uint8))
 
     def reduce_owned() -> None:
-        ins = [_Packed(received[r * stride : r * stride + row], shard) for r in range(world)]
+        ins = [_Packed(received[r * stride : r * stride + row], shard, fmt) for r in range(world)]
         owned = feedback.owned if feedback is not None else None
-        out = _Packed(mine, shard)
+        out = _Packed(mine, shard, fmt)
         total = padded
         for lo in range(0, shard, CHUNK):
             hi = min(lo + CHUNK, shard)
@@ -436,7 +499,7 @@ def _all_reduce_piece(
             if owned is not None:
                 blocks.add_(owned[lo:hi].view(-1, BLOCK))
                 err = owned[lo:hi].view(-1, BLOCK)
-            round_blocks(blocks, *out.chunk(lo, hi), err, scratch[: hi - lo])
+            round_blocks(blocks, *out.slot(lo, hi), err, scratch[: hi - lo], fmt)
         for r in range(world):
             at = r * stride + row + row_pad
             exact_sum.add_(received[at : at + tail].view(compute))
@@ -449,7 +512,7 @@ def _all_reduce_piece(
         direct = direct and tensor.is_contiguous()
         result = flat if direct else torch.empty(tensor.numel(), dtype=compute)
         for j in range(world):
-            part = _Packed(gathered[j * row : (j + 1) * row], shard)
+            part = _Packed(gathered[j * row : (j + 1) * row], shard, fmt)
             for lo in range(j * shard, min((j + 1) * shard, numel), CHUNK):
                 hi = min(lo + CHUNK, (j + 1) * shard)
                 q, scales = part.chunk(lo - j * shard, hi - j * shard)

@@ -193,7 +193,8 @@ class Backend:
         ``wire_dtype=torch.int8`` (float32 and float64 tensors, sum or mean):
         blockwise-scaled int8 on the wire, each value rounded twice whatever
         the world size, the same on every rank; see Peer.all_reduce.
-        ``feedback`` (an ``ErrorFeedback``, int8 only) carries the rounding
+        ``torch.int4``: the same in 4 bits (half the bytes, 18 times the
+        bound). ``feedback`` (an ``ErrorFeedback``, int8 or int4) carries the rounding
         errors into the next call on the same tensor, as DDP's
         ``compression="int8"`` does.
 

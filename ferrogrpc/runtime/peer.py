@@ -22,7 +22,7 @@ import torch
 from ..algorithms import schedule
 from ..algorithms.jobs import Job
 from ..algorithms.p2p import PointToPoint
-from ..algorithms.quantized import ErrorFeedback, all_reduce_int8
+from ..algorithms.quantized import FORMATS, ErrorFeedback, Format, all_reduce_quantized
 from ..algorithms.staging import Stage
 from ..control.rendezvous import Rendezvous
 from ..env import Settings
@@ -310,17 +310,21 @@ class Peer:
         adds the ranks' values in the tensor's dtype and rounds that once,
         and an all-gather gives every rank bitwise identical values, on every
         path; about a quarter of float32's bytes. The bound is in [Note:
-        int8 all-reduce] (algorithms/quantized.py). ``feedback`` (int8 only)
+        int8 all-reduce] (algorithms/quantized.py). ``feedback`` (int8, int4)
         carries the rounding errors into the next call on the same tensor,
         as DDP's ``compression="int8"`` does. On failure the tensor is
-        unchanged.
+        unchanged. ``wire_dtype=torch.int4``: the same with values in -7..7,
+        two to a byte (half of int8's bytes, 18 times its bound; DiLoCo's
+        ``compression="int4"``).
         """
-        if wire_dtype == torch.int8:
-            return self._all_reduce_int8(tensor, op, feedback)
+        fmt = FORMATS.get(wire_dtype) if isinstance(wire_dtype, torch.dtype) else None
+        if fmt is not None:
+            return self._all_reduce_quantized(tensor, op, feedback, fmt)
         if feedback is not None:
             raise self._me.error(
                 ConfigError,
-                "feedback carries int8 rounding errors: pass wire_dtype=torch.int8 with it",
+                "feedback carries int8 or int4 rounding errors: pass wire_dtype=torch.int8 "
+                "(or torch.int4) with it",
                 op="all_reduce",
             )
         with self._checks("all_reduce"):
@@ -335,12 +339,12 @@ class Peer:
         )
         return self._call(placed, lambda: tensor)
 
-    def _all_reduce_int8(
-        self, tensor: torch.Tensor, op: ReduceOp | str, feedback: ErrorFeedback | None
+    def _all_reduce_quantized(
+        self, tensor: torch.Tensor, op: ReduceOp | str, feedback: ErrorFeedback | None, fmt: Format
     ) -> Coroutine[Any, Any, torch.Tensor]:
-        """:meth:`all_reduce` with ``wire_dtype=torch.int8``: two collectives
-        (an all-to-all and an all-gather) on every path; on failure the
-        tensor is unchanged."""
+        """:meth:`all_reduce` with ``wire_dtype=torch.int8`` (or int4): two
+        collectives (an all-to-all and an all-gather) on every path; on
+        failure the tensor is unchanged."""
         me, name = self._me, "all_reduce"
         with self._checks(name, lambda: 2):
             validate.tensor(me, tensor, name)
@@ -349,14 +353,15 @@ class Peer:
             if tensor.dtype not in (torch.float32, torch.float64):
                 raise me.error(
                     ConfigError,
-                    f"wire_dtype=torch.int8 narrows float32 and float64 tensors; this one is "
+                    f"wire_dtype=torch.{fmt.name} narrows float32 and float64 tensors; this one is "
                     f"{tensor.dtype}",
                     op=name,
                 )
             if rop not in (ReduceOp.SUM, ReduceOp.MEAN):
                 raise me.error(
                     ConfigError,
-                    f"wire_dtype=torch.int8 reduces with sum or mean only, not {rop.name.lower()}: "
+                    f"wire_dtype=torch.{fmt.name} reduces with sum or mean only, not "
+                    f"{rop.name.lower()}: "
                     "a rounded max or product is not the max or product of the inputs",
                     op=name,
                 )
@@ -367,7 +372,7 @@ class Peer:
                 return tensor
 
             return alone()
-        return all_reduce_int8(self, tensor, rop, feedback)
+        return all_reduce_quantized(self, tensor, rop, feedback, fmt)
 
     def all_reduce_coalesced(
         self,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import ConfigError, Identity
-from ..ops import SUPPORTED_DTYPES, ReduceOp
+from ..ops import INT4, SUPPORTED_DTYPES, ReduceOp
 
 
 def tensor(
@@ -151,18 +151,18 @@ def wire_dtype(me: Identity, wire: object, t: torch.Tensor, name: str) -> torch.
     float32 or float64 tensor); None for None or ``t``'s own dtype."""
     if wire is None or wire == t.dtype:
         return None
-    if wire == torch.int8:
+    if wire in (torch.int8, INT4):
         raise me.error(
             ConfigError,
-            "wire_dtype=torch.int8 is all_reduce's only (sum or mean), where each value is "
+            f"wire_dtype={wire} is all_reduce's only (sum or mean), where each value is "
             f"rounded twice whatever the world size; {name} takes torch.bfloat16 or torch.float16",
             op=name,
         )
     if wire not in WIRE_DTYPES:
         raise me.error(
             ConfigError,
-            f"wire_dtype must be torch.bfloat16 or torch.float16 (or torch.int8 for all_reduce), "
-            f"got {wire!r}",
+            "wire_dtype must be torch.bfloat16 or torch.float16 (or torch.int8 or torch.int4 "
+            f"for all_reduce), got {wire!r}",
             op=name,
         )
     if t.dtype not in (torch.float32, torch.float64):

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..elastic.backend import ElasticBackend
 from ..errors import ConfigError
-from ..ops import SUPPORTED_DTYPES
+from ..ops import INT4, SUPPORTED_DTYPES
 from ..runtime.backend import Backend
 from ..runtime.work import Work
 from .diloco_fragments import (
@@ -30,6 +30,7 @@ COMPRESSION: dict[str | None, torch.dtype | None] = {
     None: None,
     "bf16": torch.bfloat16,
     "int8": torch.int8,
+    "int4": INT4,
 }
 PARAMETER_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -104,14 +105,17 @@ class DiLoCo:
 
     Compression: the pseudo-gradients travel narrowed ("bf16" over gRPC
     only: ranks that share a host exchange full precision through shared
-    memory; "int8" on every path; buffers always travel at full
+    memory; "int8" and "int4" on every path; buffers always travel at full
     precision). Per sync and element, with W ranks
     and ``delta_r`` rank r's pseudo-gradient, the averaged one is within
     ``W * 2**-8 * mean_r |delta_r|`` of the exact mean with ``"bf16"``
-    (``wire_dtype=torch.bfloat16``), and within
+    (``wire_dtype=torch.bfloat16``), within
     ``(1 + 1/508) * mean_r max|delta_r| / 127`` with ``"int8"``
-    (``wire_dtype=torch.int8``, the blockwise-scaled int8 all-reduce; no
-    error feedback: what a sync rounds away is not carried to the next).
+    (``wire_dtype=torch.int8``, the blockwise-scaled int8 all-reduce), and
+    within ``(1 + 1/28) * mean_r max|delta_r| / 7`` with ``"int4"`` (the same
+    in 4 bits: half of int8's bytes), where ``max`` is over the element's
+    block of 256 (no error feedback: what a sync rounds away is not carried
+    to the next).
     The outer step multiplies that error by ``outer_lr`` times at most
     ``1 + outer_momentum`` in the first step (the momentum then carries it
     on, as it does the gradient).
@@ -147,7 +151,7 @@ class DiLoCo:
         outer_momentum: the outer Nesterov momentum, in [0, 1).
         fragments: F, from 1 to the number of trainable parameter elements,
             and at most ``sync_every``.
-        compression: None, ``"bf16"`` or ``"int8"``: the dtype the
+        compression: None, ``"bf16"``, ``"int8"`` or ``"int4"``: the dtype the
             pseudo-gradients cross gRPC in.
 
     Raises:
@@ -198,7 +202,8 @@ class DiLoCo:
             )
         if not isinstance(compression, str | None) or compression not in COMPRESSION:
             raise _refused(
-                backend, f"DiLoCo: compression must be None, 'bf16' or 'int8', got {compression!r}"
+                backend,
+                f"DiLoCo: compression must be None, 'bf16', 'int8' or 'int4', got {compression!r}",
             )
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not trainable:
