@@ -58,6 +58,7 @@ import contextlib
 import copy
 import dataclasses
 import os
+import sys
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
@@ -157,8 +158,9 @@ _ROUNDER = _Rounder()
 @dataclasses.dataclass(frozen=True)
 class Format:
     """How a value travels: an integer of ``bits`` bits in ``[-qmax, qmax]``
-    (int8: -127..127; int4: -7..7, two to a byte, the even element in the
-    low nibble), a multiple of its block's scale."""
+    (int8: -127..127; int4: -7..7, two to a byte, offset by 8: the even
+    element + 8 in the low nibble, the odd one's in the high), a multiple
+    of its block's scale."""
 
     name: str
     bits: int
@@ -174,17 +176,23 @@ class Format:
         if self.bits == 8:
             out.copy_(t)
             return
-        values = t.reshape(-1).to(torch.int8)
-        low, high = values[0::2], values[1::2]
-        out.view(torch.int8).view(-1).copy_(low.bitwise_and_(0x0F).bitwise_or_(high << 4))
+        # (even + 8) + 16 (odd + 8), in 17..255: exact in any float dtype.
+        pairs = t.reshape(-1, 2)
+        both = torch.add(pairs[:, 0], pairs[:, 1], alpha=16)
+        out.view(-1).copy_(both.add_(136))
 
     def load(self, raw: torch.Tensor) -> torch.Tensor:
         """The values in ``raw`` (what :meth:`store` wrote), as int8."""
         if self.bits == 8:
             return raw.view(torch.int8)
-        packed = raw.view(torch.int8).reshape(-1)
-        # Arithmetic shifts: each nibble's sign comes back with it.
-        return torch.stack(((packed << 4) >> 4, packed >> 4), dim=1).view(-1)
+        # Each byte becomes two, in one 16-bit word: its low nibble to the
+        # first byte in memory, its high nibble to the second.
+        u = raw.reshape(-1).to(torch.int16)
+        high = (u & 0xF0).bitwise_left_shift_(4)
+        low = u.bitwise_and_(0x0F)
+        if sys.byteorder == "big":
+            low, high = high.bitwise_right_shift_(8), low.bitwise_left_shift_(8)
+        return high.bitwise_or_(low).view(torch.int8).sub_(8)
 
 
 INT8: Final = Format("int8", 8, 127.0)
