@@ -20,6 +20,7 @@ from torch import nn
 import ferrogrpc as fg
 from ferrogrpc.algorithms import quantized
 from ferrogrpc.algorithms.quantized import BLOCK, ErrorFeedback
+from ferrogrpc.ops import INT4
 from tests.helpers import ROOT, backends, on_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -197,6 +198,21 @@ async def test_int8_refuses_what_it_cannot_reduce_on_every_rank() -> None:
         ok = [torch.full((300,), float(r + 1)) for r in range(2)]
         await asyncio.gather(*(_int8(p, t) for p, t in zip(peers, ok, strict=True)))
         assert torch.allclose(ok[0], torch.full((300,), 3.0), rtol=1e-2)
+
+
+async def test_ranks_that_round_to_int8_and_int4_are_told_not_left_waiting() -> None:
+    async with fg.testing.local_group(2, transport="grpc") as peers:
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                peers[0].all_reduce(torch.ones(5000), wire_dtype=torch.int8),
+                peers[1].all_reduce(torch.ones(5000), wire_dtype=INT4),
+                return_exceptions=True,
+            ),
+            30,
+        )
+    assert all(isinstance(r, fg.ProtocolError) for r in results), results
+    assert "wire_dtype=int8" in str(results[0]) and "rank 1" in str(results[0])
+    assert "wire_dtype=int4" in str(results[1]) and "rank 0" in str(results[1])
 
 
 @pytest.mark.parametrize("piece", [None, 4 * BLOCK])
