@@ -113,9 +113,20 @@ SIZES = [(5, None), (1000, None), (70_001, None), (70_001, 16 * BLOCK)]
 @pytest.mark.parametrize(("numel", "piece"), SIZES)
 @pytest.mark.parametrize("op", ["sum", "mean"])
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("inline", [True, False])
 async def test_an_int8_all_reduce_is_within_its_bound_and_the_same_everywhere(
-    world: int, op: str, numel: int, piece: int | None, monkeypatch: pytest.MonkeyPatch
+    world: int,
+    op: str,
+    numel: int,
+    piece: int | None,
+    inline: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # inline: these pieces are rounded on the caller's thread and reduced on
+    # the loop (quantized.INLINE_BELOW); else as a large tensor's are, on the
+    # rounding thread and the executor.
+    if not inline:
+        monkeypatch.setattr(quantized, "INLINE_BELOW", 0)
     await _within_bound(world, op, numel, piece, monkeypatch, torch.int8, 127)
 
 
