@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from .errors import ConfigError
-from .options import ChunkPolicy, Timeouts, TLSConfig
+from .options import DEFAULT_GRPC_WINDOW, ChunkPolicy, Timeouts, TLSConfig
 from .transport.integrity import Checksum, checksum_by_name, default_checksum
 
 # torch's env:// variables, read when init_backend's arguments are left None.
@@ -57,6 +57,9 @@ SHM_ENV: Final = "FERROGRPC_SHM"
 DIRECT_ENV: Final = "FERROGRPC_DIRECT"
 # Lossless packing of float32 chunks on slow links (transport/planes.py).
 PACK_ENV: Final = "FERROGRPC_PACK"
+# gRPC's receive window on a peer's streams, bytes (see [Note: a fixed
+# receive window] in transport/grpc_streams.py); "auto" leaves gRPC's own.
+GRPC_WINDOW_ENV: Final = "FERROGRPC_GRPC_WINDOW"
 # The coordinator's: the most ranks an elastic round takes.
 MAX_RANKS_ENV: Final = "FERROGRPC_MAX_RANKS"
 # Elastic groups (elastic/): on, the fewest members, and how long a member
@@ -180,6 +183,8 @@ class Settings:
     # "auto": float32 ring chunks travel packed where a link is slower than
     # packing; "on", "off": always, never.
     packing: str = "auto"
+    # Bytes; None: gRPC's own window, grown from its bandwidth estimate.
+    grpc_window: int | None = DEFAULT_GRPC_WINDOW
     max_ranks: int = 1024
     elastic: bool = False
     min_world_size: int = 1
@@ -234,6 +239,17 @@ class Settings:
             packing = "on"
         if packing not in ("auto", "on", "off"):
             raise ConfigError(f"{PACK_ENV}={env.get(PACK_ENV)!r}: use auto, on or off")
+        grpc_window: int | None = DEFAULT_GRPC_WINDOW
+        raw_window = (env.get(GRPC_WINDOW_ENV) or "").strip().lower()
+        if raw_window == "auto":
+            grpc_window = None
+        elif raw_window:
+            grpc_window = _int(env, GRPC_WINDOW_ENV)
+            if grpc_window is None or not 65536 <= grpc_window < 2**31:
+                raise ConfigError(
+                    f"{GRPC_WINDOW_ENV}={env.get(GRPC_WINDOW_ENV)!r}: use bytes (65536 to "
+                    "2147483647) or auto"
+                )
         threads = _int(env, REDUCE_THREADS_ENV)
         if threads is not None and threads < 0:
             raise ConfigError(f"{REDUCE_THREADS_ENV}={threads} must be 0 or more")
@@ -263,6 +279,7 @@ class Settings:
             shm=_switch(env, SHM_ENV, True),
             direct=_switch(env, DIRECT_ENV, True),
             packing=packing,
+            grpc_window=grpc_window,
             max_ranks=1024 if max_ranks is None else max_ranks,
             elastic=_switch(env, ELASTIC_ENV, False),
             min_world_size=1 if min_world is None else min_world,

@@ -8,6 +8,11 @@ import dataclasses
 
 from .errors import ConfigError
 
+# gRPC's receive window on a peer's connections, in bytes
+# (``FERROGRPC_GRPC_WINDOW``; see [Note: a fixed receive window] in
+# transport/grpc_streams.py).
+DEFAULT_GRPC_WINDOW = 16 << 20
+
 
 @dataclasses.dataclass(frozen=True)
 class Timeouts:

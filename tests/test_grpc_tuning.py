@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+import ferrogrpc as fg
 from client.netlab import Link, network
 from ferrogrpc.transport.grpc_tuning import EXPERIMENTS, experiments_value
 from tests.helpers import ROOT
@@ -175,3 +176,23 @@ def test_a_slow_link_costs_a_fraction_of_the_cpu() -> None:
     # Measured: about 0.3 s off and 0.05-0.06 s on, per 12 MB call.
     print(f"CPU per call, untuned: {off}; tuned: {on}")
     assert statistics.median(on) < 0.5 * statistics.median(off), (on, off)
+
+
+def test_the_receive_window_is_fixed_unless_auto() -> None:
+    # [Note: a fixed receive window]: BDP probing off, the window and the
+    # frame size set; "auto" leaves gRPC's; a bad value names the variable.
+    from ferrogrpc.env import Settings
+    from ferrogrpc.transport.grpc_streams import GrpcTransport
+
+    assert Settings.from_env({}).grpc_window == 16 << 20
+    assert Settings.from_env({"FERROGRPC_GRPC_WINDOW": "auto"}).grpc_window is None
+    assert Settings.from_env({"FERROGRPC_GRPC_WINDOW": "8388608"}).grpc_window == 8 << 20
+    for bad in ("12", "big", str(2**31)):
+        with pytest.raises(fg.ConfigError, match="FERROGRPC_GRPC_WINDOW"):
+            Settings.from_env({"FERROGRPC_GRPC_WINDOW": bad})
+    fixed = dict(GrpcTransport(window=8 << 20)._options())
+    assert fixed["grpc.http2.bdp_probe"] == 0
+    assert fixed["grpc.http2.lookahead_bytes"] == 8 << 20
+    assert fixed["grpc.http2.max_frame_size"] == 4 << 20
+    auto = dict(GrpcTransport(window=None)._options())
+    assert not {"grpc.http2.bdp_probe", "grpc.http2.lookahead_bytes"} & set(auto)

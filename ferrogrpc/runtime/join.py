@@ -113,6 +113,7 @@ async def join(
             max_message_bytes=message_limit(s.chunk_policy),
             tls=s.tls,
             token=s.token,
+            window=s.grpc_window,
         )
     if rendezvous is None:
         r, w, addr, mport = s.merged(rank=rank, world_size=world_size).require_rendezvous()

@@ -13,7 +13,7 @@ import grpc
 import grpc.aio
 
 from ..errors import ConfigError, Evidence, FerroGrpcError, PeerError, ProtocolError
-from ..options import TLSConfig
+from ..options import DEFAULT_GRPC_WINDOW, TLSConfig
 from ..v1 import collective_pb2 as pb
 from .auth import TOKEN_METADATA_KEY as TOKEN_METADATA_KEY  # clients' name for it
 from .auth import add_port, aio_channel, aio_server, interceptors, token_metadata
@@ -40,6 +40,26 @@ PING_METHOD = f"/{SERVICE}/Ping"
 # calls a death only once it has lasted a bound derived from the idle
 # timeout (watchdog.silence_bound).
 TCP_CONNECT_S = 0.5
+
+# [Note: a fixed receive window]
+# gRPC sizes a connection's receive window from its bandwidth-delay
+# estimate (BDP probing): twice the estimate, which doubles whenever the
+# bytes that arrive while a ping is out exceed two thirds of it. On a busy
+# host a receiver that waits for a core delays the ping's answer while its
+# sender keeps sending, so the estimate doubles again and again (8 MiB on a
+# quiet loopback here; far more beside other work), and a window that large
+# fills with chunks the receiver has not read yet: the extra peak RSS of a
+# 256 MiB all_reduce at world 4 reached 90-153 MiB on one rank in full test
+# runs, where it is 45-65 otherwise (tests/test_memory.py, bar 128). So a
+# peer's channels and server turn the probing off and fix the window
+# (Settings.grpc_window, FERROGRPC_GRPC_WINDOW, default 16 MiB; "auto"
+# leaves gRPC's). The frame size is set with it: without probing gRPC keeps
+# 16 KiB frames, and its read tuning (grpc_tuning.py), which wakes the
+# reader once a frame has come, would wake it per 16 KiB again. A fixed
+# window caps one lane at window / round trip: 16 MiB over a 50 ms round
+# trip is about 2.7 Gbit/s. A faster link that far away wants a larger
+# window, or "auto".
+FRAME_BYTES = 4 << 20
 
 # [Note: long-lived lanes] A collective's stream to a rank on a lane
 # (transport.open) travels on a long-lived Lane RPC to that rank, not an RPC
@@ -303,8 +323,10 @@ class GrpcTransport(Transport):
         tls: TLSConfig | None = None,
         token: str | None = None,
         send_hook: SendHook | None = None,
+        window: int | None = DEFAULT_GRPC_WINDOW,
     ) -> None:
         super().__init__()
+        self._window = window
         self._bind = bind
         self._advertise_host = advertise_host
         self._max = max_message_bytes
@@ -325,11 +347,18 @@ class GrpcTransport(Transport):
         self.port = 0
 
     def _options(self) -> list[tuple[str, Any]]:
-        return [
+        options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", self._max),
             ("grpc.max_send_message_length", self._max),
             ("grpc.so_reuseport", 0),
         ]
+        if self._window is not None:  # [Note: a fixed receive window]
+            options += [
+                ("grpc.http2.bdp_probe", 0),
+                ("grpc.http2.lookahead_bytes", self._window),
+                ("grpc.http2.max_frame_size", min(FRAME_BYTES, self._window)),
+            ]
+        return options
 
     async def start(self, handler: StreamHandler) -> str:
         self._handler = handler
