@@ -230,19 +230,21 @@ class _Packed:
         self.values = raw[:n]
         self.scales = raw[n : packed_bytes(elements, fmt)].view(torch.float32)
 
+    def _span(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bytes of elements [lo, hi) (whole blocks), and their scales."""
+        bits = self.fmt.bits
+        return self.values[lo * bits // 8 : hi * bits // 8], self.scales[lo // BLOCK : hi // BLOCK]
+
     def slot(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Where elements [lo, hi) (whole blocks) are written: their bytes
         (int8 values as blocks), and their scales."""
-        bits = self.fmt.bits
-        raw = self.values[lo * bits // 8 : hi * bits // 8]
-        q = raw.view(torch.int8).view(-1, BLOCK) if bits == 8 else raw
-        return q, self.scales[lo // BLOCK : hi // BLOCK]
+        raw, scales = self._span(lo, hi)
+        return (raw.view(torch.int8).view(-1, BLOCK) if self.fmt.bits == 8 else raw), scales
 
     def chunk(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Elements [lo, hi) (whole blocks): int8 values as blocks, and scales."""
-        bits = self.fmt.bits
-        raw = self.values[lo * bits // 8 : hi * bits // 8]
-        return self.fmt.load(raw).view(-1, BLOCK), self.scales[lo // BLOCK : hi // BLOCK]
+        raw, scales = self._span(lo, hi)
+        return self.fmt.load(raw).view(-1, BLOCK), scales
 
 
 def round_blocks(
@@ -558,6 +560,13 @@ def _all_reduce_piece(
     else:
         rounding = _ROUNDER.submit(round_inputs)
 
+    async def run_work(work: Callable[[], None]) -> None:
+        """On the event loop for a small piece, else on the executor."""
+        if small:
+            work()
+        else:
+            await asyncio.to_thread(work)
+
     async def run() -> torch.Tensor:
         # Both collectives run whatever happens here: a sequence number
         # taken must be used (a failed one fails the next at once).
@@ -577,10 +586,7 @@ def _all_reduce_piece(
             raise
         if failed is None:
             try:
-                if small:
-                    reduce_owned()
-                else:
-                    await asyncio.to_thread(reduce_owned)
+                await run_work(reduce_owned)
             except Exception as exc:
                 failed = exc
         if failed is not None:
@@ -595,10 +601,7 @@ def _all_reduce_piece(
             if feedback is not None:
                 feedback.reset()
             raise failed
-        if small:
-            write_result()
-        else:
-            await asyncio.to_thread(write_result)
+        await run_work(write_result)
         return tensor
 
     return run()

@@ -10,8 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
+from ..algorithms.quantized import FORMATS
 from ..errors import ConfigError, Identity
-from ..ops import INT4, SUPPORTED_DTYPES, ReduceOp
+from ..ops import SUPPORTED_DTYPES, ReduceOp
 
 
 def tensor(
@@ -151,7 +152,7 @@ def wire_dtype(me: Identity, wire: object, t: torch.Tensor, name: str) -> torch.
     float32 or float64 tensor); None for None or ``t``'s own dtype."""
     if wire is None or wire == t.dtype:
         return None
-    if wire in (torch.int8, INT4):
+    if isinstance(wire, torch.dtype) and wire in FORMATS:
         raise me.error(
             ConfigError,
             f"wire_dtype={wire} is all_reduce's only (sum or mean), where each value is "
