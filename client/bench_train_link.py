@@ -256,7 +256,7 @@ def _lm_worker(args: argparse.Namespace) -> None:
             cpu = time.process_time()
             start = time.perf_counter()
             for step in range(self.done, self.done + steps):
-                x, y = charlm.batch(rank, step, LM_BATCH)
+                x, y = charlm.batch(rank, step, LM_BATCH, args.seed)
                 self.inner.zero_grad()
                 charlm.loss(self.wrapped, x, y).backward()  # type: ignore[no-untyped-call]
                 waited = self.after_step()
@@ -384,7 +384,7 @@ def _lm_worker(args: argparse.Namespace) -> None:
     names = args.only or list(plans)
     runs: dict[str, Run] = {}
     for name in names:
-        model = charlm.build()
+        model = charlm.build(args.seed)
         inner = torch.optim.AdamW(model.parameters(), lr=LM_LR)
         runs[name] = Run(model, inner, *plans[name](model, inner))
     # The implementations take turns, a block of steps each, in an order
@@ -471,7 +471,7 @@ def _report_lm(
     floor = results.get("no communication", {}).get("step_s")
     print(
         f"# char LM (client/charlm.py), world {world}, link {link}, {steps} steps, "
-        f"batch {LM_BATCH}/rank, AdamW lr {LM_LR}, DiLoCo outer lr {args.outer_lr} momentum "
+        f"batch {LM_BATCH}/rank, seed {args.seed}, AdamW lr {LM_LR}, DiLoCo outer lr {args.outer_lr} momentum "
         f"{args.outer_momentum}"
     )
     print(
@@ -509,6 +509,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="lm: the model's initial weights and the batches"
+    )
     parser.add_argument("--only", nargs="*", help="only these implementations")
     parser.add_argument("--json", help="also write the ranks' figures to this file")
     parser.add_argument("--timeout", type=float, default=1800)
@@ -524,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         *("--what", args.what, "--steps", str(args.steps), "--warmup", str(args.warmup)),
         *("--batch", str(args.batch), "--sync-every", str(args.sync_every)),
         *("--fragments", str(args.fragments), "--diloco-compression", args.diloco_compression),
-        *("--block", str(args.block)),
+        *("--block", str(args.block), "--seed", str(args.seed)),
         *("--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum)),
         *(("--only", *args.only) if args.only else ()),
     ]

@@ -58,12 +58,12 @@ def build(seed: int = 0, hidden: int = HIDDEN) -> CharMLP:
     return CharMLP(vocab, hidden)
 
 
-def batch(rank: int, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(rank: int, step: int, size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s batch of ``size`` windows at ``step``: inputs and the
-    next characters."""
+    next characters. Another ``seed`` draws other batches."""
     data, _ = corpus()
     train_end = len(data) * 9 // 10
-    gen = torch.Generator().manual_seed(1_000_003 * step + rank)
+    gen = torch.Generator().manual_seed(1_000_003 * step + rank + 7_919 * seed)
     starts = torch.randint(0, train_end - CONTEXT - 1, (size,), generator=gen)
     offsets = torch.arange(CONTEXT)
     x = data[starts[:, None] + offsets]
