@@ -6,6 +6,7 @@ killed peer, a stopped one) in real processes."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import select
 import signal
@@ -223,6 +224,60 @@ def test_a_size_across_the_threshold_is_a_protocol_error_on_both_ranks(
         for rank, message in enumerate(messages):
             assert f"rank {rank}/2" in message and "all_reduce" in message, message
             assert "16" in message and str(other) in message, message
+    finally:
+        for b in group:
+            b.close()
+
+
+def _all_to_all(b: fg.Backend, out: torch.Tensor, t: torch.Tensor, **kw: Any) -> torch.Tensor:
+    """The Peer's all_to_all_single (``uniform`` is not the Backend's), waited for."""
+    call = b.peer.all_to_all_single(out, t, **kw)
+    return asyncio.run_coroutine_threadsafe(call, b._loop).result(timeout=60)
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["same-host", "tcp-mesh"])
+def test_a_uniform_all_to_all_goes_direct_up_to_a_part_of_small_bytes(shm: bool) -> None:
+    # The quantized all-reduce's all-to-all promises equal parts of one size
+    # on every rank (uniform): its descriptor carries the size, so a small
+    # one runs on the direct sockets as the gather after it does. A part of
+    # one element more, or an all-to-all without the promise, goes as gRPC
+    # messages. Results exact against the inputs' rows; a rank whose size
+    # differs is named by both.
+    group = backends(WORLD, shm=shm)
+    kinds: list[list[int]] = [[] for _ in range(WORLD)]
+    for backend, spied in zip(group, kinds, strict=True):
+        direct = backend.peer._engine.direct
+        assert direct is not None
+        direct.run = lambda job, run=direct.run, spied=spied: (spied.append(job.kind), run(job))[1]  # type: ignore[method-assign]
+    part = SMALL_BYTES // 8  # float64 elements
+    try:
+
+        def work(rank: int) -> None:
+            b = group[rank]
+            for step, (m, uniform) in enumerate(((part, True), (part + 1, True), (part, False))):
+                xs = [_inputs(r, 30 + step, WORLD * m) for r in range(WORLD)]
+                out = torch.empty(WORLD * m, dtype=torch.float64)
+                _all_to_all(b, out, xs[rank], uniform=uniform)
+                rows = [xs[r][rank * m : (rank + 1) * m] for r in range(WORLD)]
+                assert torch.equal(out, torch.cat(rows)), (rank, m, uniform)
+            # The int8 all-reduce's two collectives, both direct.
+            t = _inputs(rank, 40, 1000).float()
+            b.all_reduce(t, wire_dtype=torch.int8)
+            with pytest.raises(fg.ConfigError, match="uniform all_to_all has equal splits"):
+                _all_to_all(
+                    b, torch.empty(WORLD), torch.ones(WORLD), in_splits=[1] * WORLD, uniform=True
+                )
+            # Rank 0's parts go direct, the others' as gRPC messages.
+            m = 16 if rank == 0 else part + 1
+            with pytest.raises(fg.ProtocolError) as info:
+                t = torch.ones(WORLD * m, dtype=torch.float64)
+                _all_to_all(b, torch.empty_like(t), t, uniform=True)
+            assert "numel" in str(info.value) and "all_to_all" in str(info.value), info.value
+
+        on_ranks(work, WORLD)
+        expected = [pb.ALL_TO_ALL, pb.ALL_TO_ALL, pb.ALL_GATHER]
+        assert kinds[1:] == [expected] * (WORLD - 1), kinds
+        assert kinds[0] == [*expected, pb.ALL_TO_ALL], kinds  # rank 0's small mismatched one
     finally:
         for b in group:
             b.close()

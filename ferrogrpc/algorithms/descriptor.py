@@ -54,12 +54,17 @@ def make_descriptor(
     checksum: Checksum | None,
     wire: torch.dtype | None = None,
     link: bool = False,
+    uniform: bool = False,
 ) -> pb.Descriptor:
     """The descriptor of a collective of ``kind`` on the flat ``buffer``,
     cut by ``chunking`` = (chunk_bytes, max_lanes), its chunks travelling
     as ``wire`` (None: as ``buffer``'s dtype). With ``link`` (across hosts,
     the default chunk size), the chunk is cut for the link
-    (schedule.link_chunk_bytes, [Note: chunks on a link])."""
+    (schedule.link_chunk_bytes, [Note: chunks on a link]). An all_to_all's
+    sizes may differ by rank, and its numel is 0 (each receiver checks the
+    sizes it gets), but for a ``uniform`` one (equal parts of one size on
+    every rank, as the quantized all-reduce's), whose numel every receiver
+    checks, and which may run on the direct sockets (direct.is_direct)."""
     chunk_bytes, max_lanes = chunking
     itemsize = buffer.element_size()
     if link:
@@ -69,8 +74,7 @@ def make_descriptor(
     return pb.Descriptor(
         kind=kind,  # type: ignore[arg-type]
         dtype=DTYPE_TO_WIRE[buffer.dtype],  # type: ignore[arg-type]
-        # An all_to_all's sizes may differ by rank: each receiver checks them.
-        numel=0 if kind == pb.ALL_TO_ALL else buffer.numel(),
+        numel=0 if kind == pb.ALL_TO_ALL and not uniform else buffer.numel(),
         reduce_op=OP_TO_WIRE[op] if kind in _REDUCING else 0,  # type: ignore[arg-type]
         root=root,
         world_size=world_size,

@@ -63,7 +63,7 @@ T = TypeVar("T")
 # host. A rank whose send finds the socket full reads from it meanwhile, so
 # two ranks that both send before they read never wait for each other.
 DIRECT_KINDS = frozenset(
-    (pb.ALL_REDUCE, pb.BARRIER, pb.BROADCAST, pb.ALL_GATHER, pb.REDUCE_SCATTER)
+    (pb.ALL_REDUCE, pb.BARRIER, pb.BROADCAST, pb.ALL_GATHER, pb.REDUCE_SCATTER, pb.ALL_TO_ALL)
 )
 
 # A message's head: the bytes after the head, the collective's seq, the
@@ -149,7 +149,11 @@ class DirectSockets(Protocol):
 
 def is_direct(desc: pb.Descriptor, itemsize: int) -> bool:
     """Whether a collective runs on the direct sockets (when every rank
-    shares this host): every small one (one_exchange.py) but all_to_all."""
+    shares this host, or none shares its host with another): every small
+    one (one_exchange.py), an all_to_all only where it is uniform (its
+    descriptor holds its size, the same on every rank) with small parts."""
+    if desc.kind == pb.ALL_TO_ALL and desc.numel == 0:
+        return False
     return desc.kind in DIRECT_KINDS and is_small(desc, itemsize, by_part=True)
 
 

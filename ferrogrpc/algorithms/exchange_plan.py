@@ -28,8 +28,9 @@ SMALL_WORLD = 16
 def is_small(desc: pb.Descriptor, itemsize: int, *, by_part: bool) -> bool:
     """Whether a collective runs in one exchange. With ``by_part``, an
     all-gather or a reduce-scatter is measured by one rank's part (the
-    largest, for an uneven reduce-scatter): in one exchange each rank sends
-    every other its part, which is what a ring moves too, in a single round
+    largest, for an uneven reduce-scatter; an all_to_all's, where its
+    descriptor holds its size): in one exchange each rank sends every other
+    its part, which is what a ring moves too, in a single round
     instead of ``n-1``. Anything else, and those too without ``by_part``, by
     the whole tensor, which each rank sends to every other.
 
@@ -38,7 +39,7 @@ def is_small(desc: pb.Descriptor, itemsize: int, *, by_part: bool) -> bool:
     every rank's part to every rank on the other hosts, several times the
     cross-host bytes of the two-level path (two_level.py)."""
     numel = desc.numel
-    if by_part and desc.kind in (pb.ALL_GATHER, pb.REDUCE_SCATTER):
+    if by_part and desc.kind in (pb.ALL_GATHER, pb.REDUCE_SCATTER, pb.ALL_TO_ALL):
         numel = -(-numel // max(1, desc.world_size))
     return desc.world_size <= SMALL_WORLD and numel * itemsize <= SMALL_BYTES
 
@@ -83,6 +84,11 @@ def plan(
         return {r: buf[bounds[r][0] : bounds[r][1]] for r in others}, dict.fromkeys(
             others, (hi - lo) * item
         )
+    if kind == pb.ALL_TO_ALL:
+        assert wire is None and job.splits is not None
+        ins, outs = job.splits
+        at = _offsets(ins)
+        return {r: buf[at[r] : at[r] + ins[r]] for r in others}, {r: outs[r] * item for r in others}
     raise AssertionError(f"not a small collective: kind {kind}")
 
 
@@ -114,6 +120,16 @@ def finish(
             own.copy_(own.to(wire))  # as every other rank gets it
         for r, data in got.items():
             buf[r * m : (r + 1) * m].copy_(received(data, dtype, buf.dtype))
+    elif kind == pb.ALL_TO_ALL:
+        assert job.out is not None and job.splits is not None
+        ins, outs = job.splits
+        at_in, at_out = _offsets(ins), _offsets(outs)
+        out = job.out
+        own = buf[at_in[rank] : at_in[rank] + ins[rank]]
+        out[at_out[rank] : at_out[rank] + outs[rank]].copy_(own)
+        for r, data in got.items():
+            out[at_out[r] : at_out[r] + outs[r]].copy_(received(data, dtype, out.dtype))
+        return 0, out.numel()
     elif kind == pb.REDUCE_SCATTER:
         assert job.out is not None
         lo, hi = schedule.split_bounds(0, n, world)[rank]
@@ -123,6 +139,11 @@ def finish(
         job.out.copy_(_reduce(values, job.op, world))
         return lo, hi
     return 0, n
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    """Where each rank's part starts, the parts laid end to end in rank order."""
+    return [sum(sizes[:r]) for r in range(len(sizes))]
 
 
 def received(data: memoryview, dtype: torch.dtype, into: torch.dtype) -> torch.Tensor:

@@ -30,7 +30,7 @@ from ..samehost.plane import SMALL, LocalPlane, split_small
 from ..transport.wire import bytes_view
 from ..v1 import collective_pb2 as pb
 from .context import RankContext
-from .exchange_plan import finish, mismatch, plan, received, wrong_size
+from .exchange_plan import finish, mismatch, plan, wrong_size
 from .jobs import Job
 from .links import Links, check_part, send_parts
 
@@ -191,28 +191,8 @@ class SmallRunner:
         buf, stage = job.buffer, job.stage
         if stage is not None:
             await stage.ready(0, buf.numel())
-        if job.kind == pb.ALL_TO_ALL:
-            await self._all_to_all([r for r in range(me.world_size) if r != me.rank], buf.dtype)
-            return
         outgoing, expect = plan(job, me.rank, me.world_size, self.wire)
         got = await self._exchange(outgoing, expect)
         done = finish(job, me.rank, me.world_size, got, self.wire)
         if stage is not None:
             stage.final(*done)
-
-    async def _all_to_all(self, others: list[int], dtype: torch.dtype) -> None:
-        job, rank = self.job, self.me.rank
-        assert job.out is not None and job.splits is not None
-        ins, outs = job.splits
-        at_in = [sum(ins[:r]) for r in range(len(ins))]
-        at_out = [sum(outs[:r]) for r in range(len(outs))]
-        buf, out = job.buffer, job.out
-        got = await self._exchange(
-            {r: buf[at_in[r] : at_in[r] + ins[r]] for r in others},
-            {r: outs[r] * dtype.itemsize for r in others},
-        )
-        out[at_out[rank] : at_out[rank] + outs[rank]].copy_(
-            buf[at_in[rank] : at_in[rank] + ins[rank]]
-        )
-        for r, data in got.items():
-            out[at_out[r] : at_out[r] + outs[r]].copy_(received(data, dtype, out.dtype))

@@ -343,7 +343,7 @@ class Collectives(Protocol):
     def world_size(self) -> int: ...
 
     def all_to_all_single(
-        self, out: torch.Tensor, tensor: torch.Tensor
+        self, out: torch.Tensor, tensor: torch.Tensor, *, uniform: bool
     ) -> Coroutine[Any, Any, torch.Tensor]: ...
 
     def all_gather_into_tensor(
@@ -454,7 +454,9 @@ def _all_reduce_piece(
     # gather runs: a CPU gather works in place, and copies ``mine`` into
     # ``gathered`` when called, here onto itself.
     mine = gathered[rank * row : (rank + 1) * row]
-    exchange = peer.all_to_all_single(received, send)
+    # Every rank's rows are one size (uniform): a small all-to-all runs on
+    # the direct sockets, as the gather does, not as gRPC messages.
+    exchange = peer.all_to_all_single(received, send, uniform=True)
     gather = peer.all_gather_into_tensor(gathered, mine)
     exact_sum = torch.zeros(exact, dtype=compute)
     # No chunk crosses a shard, so none is longer than this. ``padded`` is

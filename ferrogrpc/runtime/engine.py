@@ -136,12 +136,15 @@ class Engine:
         out: torch.Tensor | None = None,
         out_offset: int = 0,
         wire: torch.dtype | None = None,
+        uniform: bool = False,
     ) -> Job:
         """A new job over ``buffer`` with the next sequence number, taken now
-        (on the caller's thread: call order is the order on every rank)."""
+        (on the caller's thread: call order is the order on every rank).
+        ``uniform``: an all_to_all whose every rank sends every rank an
+        equal part of a buffer of one size (make_descriptor)."""
         # The same call on the same shapes has the same descriptor (never
         # changed once made): built once, it costs a small collective less.
-        key = (kind, buffer.dtype, buffer.numel(), op, root, wire)
+        key = (kind, buffer.dtype, buffer.numel(), op, root, wire, uniform)
         descriptor = self._descriptors.get(key)
         if descriptor is None:
             if len(self._descriptors) >= DESCRIPTORS_KEPT:
@@ -157,6 +160,7 @@ class Engine:
                 self.ctx.checksum,
                 wire,
                 self._link,
+                uniform,
             )
         itemsize = buffer.element_size()
         ordered = self._uses_plane(descriptor, itemsize)

@@ -571,40 +571,28 @@ class Peer:
         tensor: torch.Tensor,
         out_splits: Sequence[int] | None = None,
         in_splits: Sequence[int] | None = None,
+        *,
+        uniform: bool = False,
     ) -> Call[torch.Tensor]:
         """Send rows ``in_splits[r]`` of ``tensor`` (split along dim 0) to each
         rank r and receive ``out_splits[r]`` rows from each into ``out``, in
         rank order; splits left None are equal. Returns ``out``. One exchange
         of a message per pair of ranks (in parts of a chunk over gRPC).
-        Synchronization point: a size one rank sends and another does not
-        expect is a ProtocolError naming both."""
+        ``uniform``: every rank has one size and no splits (a small one may
+        go direct: engine.number). Synchronization point: a size one rank
+        sends and another does not expect is a ProtocolError naming both."""
         me, name = self._me, "all_to_all"
         with self._checks(name):
             validate.tensor(me, tensor, name)
             validate.tensor(me, out, name, "out")
             validate.writable(me, out, name, "out")
             validate.same_dtype(me, out, tensor, name)
-            ins = validate.splits(me, tensor, in_splits, "in_splits")
-            outs = validate.splits(me, out, out_splits, "out_splits")
-            if ins[me.rank] != outs[me.rank]:
-                raise me.error(
-                    ConfigError,
-                    f"this rank sends itself {ins[me.rank]} elements but expects {outs[me.rank]}",
-                    op=name,
-                )
+            ins, outs = validate.all_to_all_splits(me, out, tensor, out_splits, in_splits, uniform)
         self._engine.check_open()
         source = tensor.detach().reshape(-1).to("cpu").contiguous()
-        host = out.detach()
-        direct = host.device.type == "cpu" and host.is_contiguous()
-        target = host.view(-1) if direct else torch.empty(out.numel(), dtype=out.dtype)
-        job = self._engine.number(pb.ALL_TO_ALL, name, source, out=target)
+        target, back = _landing(out)
+        job = self._engine.number(pb.ALL_TO_ALL, name, source, out=target, uniform=uniform)
         job.splits = (ins, outs)
-
-        def back() -> None:
-            if not direct:
-                with torch.no_grad():
-                    out.copy_(target.view(out.shape))
-
         return self._call(Placed(job, back), lambda: out)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Coroutine[Any, Any, None]:
@@ -637,9 +625,7 @@ class Peer:
         peer = validate.peer(me, src, "recv")
         validate.tag(me, tag, "recv")
         self._engine.check_open()
-        host = tensor.detach()
-        direct = host.device.type == "cpu" and host.is_contiguous()
-        target = host.view(-1) if direct else torch.empty(tensor.numel(), dtype=tensor.dtype)
+        target, back = _landing(tensor)
         n = self._p2p.take("recv", peer, tag)
         job = Job(n, "recv", pb.Descriptor(), target, ReduceOp.SUM)
 
@@ -647,9 +633,7 @@ class Peer:
             await self._engine.point_to_point(
                 job, lambda: self._p2p.recv(target, peer, tag, n), peer
             )
-            if not direct:
-                with torch.no_grad():
-                    tensor.copy_(target.view(tensor.shape))
+            back()
             return tensor
 
         return run()
@@ -667,9 +651,7 @@ class Peer:
         if me.world_size < 2:
             raise me.error(ConfigError, "a group of one has no other rank to receive from")
         self._engine.check_open()
-        host = tensor.detach()
-        direct = host.device.type == "cpu" and host.is_contiguous()
-        target = host.view(-1) if direct else torch.empty(tensor.numel(), dtype=tensor.dtype)
+        target, back = _landing(tensor)
         job = Job(-1, "recv", pb.Descriptor(), target, ReduceOp.SUM)
         sender = -1
 
@@ -679,9 +661,7 @@ class Peer:
 
         async def run() -> int:
             await self._engine.point_to_point(job, receive)
-            if not direct:
-                with torch.no_grad():
-                    tensor.copy_(target.view(tensor.shape))
+            back()
             return sender
 
         return run()
@@ -698,3 +678,18 @@ def observer_of(peer: Peer) -> Observer:
     trace) its settings asked for (ferrogrpc/observe/). Not on Peer itself,
     whose public surface is the collectives."""
     return peer._engine.observer
+
+
+def _landing(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A flat CPU buffer to receive ``t``'s new contents (``t`` itself, viewed,
+    where it is a contiguous CPU tensor), and what then copies it into ``t``."""
+    host = t.detach()
+    if host.device.type == "cpu" and host.is_contiguous():
+        return host.view(-1), lambda: None
+    target = torch.empty(t.numel(), dtype=t.dtype)
+
+    def back() -> None:
+        with torch.no_grad():
+            t.copy_(target.view(t.shape))
+
+    return target, back

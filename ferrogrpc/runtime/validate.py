@@ -200,6 +200,30 @@ def splits(me: Identity, t: torch.Tensor, given: Sequence[int] | None, what: str
     return [c * per_row for c in counts]
 
 
+def all_to_all_splits(
+    me: Identity,
+    out: torch.Tensor,
+    t: torch.Tensor,
+    out_splits: Sequence[int] | None,
+    in_splits: Sequence[int] | None,
+    uniform: bool,
+) -> tuple[list[int], list[int]]:
+    """An all_to_all's splits (:func:`splits`), in and out, checked against
+    each other: this rank's part to itself, and a ``uniform`` one's (no
+    splits given)."""
+    if uniform and (in_splits is not None or out_splits is not None):
+        raise me.error(ConfigError, "a uniform all_to_all has equal splits", op="all_to_all")
+    ins = splits(me, t, in_splits, "in_splits")
+    outs = splits(me, out, out_splits, "out_splits")
+    if ins[me.rank] != outs[me.rank]:
+        raise me.error(
+            ConfigError,
+            f"this rank sends itself {ins[me.rank]} elements but expects {outs[me.rank]}",
+            op="all_to_all",
+        )
+    return ins, outs
+
+
 def peer(me: Identity, rank: object, name: str) -> int:
     """``rank`` if it is another rank of the group."""
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < me.world_size:
