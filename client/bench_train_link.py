@@ -471,8 +471,8 @@ def _report_lm(
     floor = results.get("no communication", {}).get("step_s")
     print(
         f"# char LM (client/charlm.py), world {world}, link {link}, {steps} steps, "
-        f"batch {LM_BATCH}/rank, seed {args.seed}, AdamW lr {LM_LR}, DiLoCo outer lr {args.outer_lr} momentum "
-        f"{args.outer_momentum}"
+        f"batch {LM_BATCH}/rank, seed {args.seed}, AdamW lr {LM_LR}, "
+        f"DiLoCo outer lr {args.outer_lr} momentum {args.outer_momentum}"
     )
     print(
         f"{'implementation':<28} {'step s':>8} {'computing':>9} {'unblocked':>9} "

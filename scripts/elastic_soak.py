@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,9 +34,10 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=300)
     parser.add_argument("--step-sleep", type=float, default=0.02)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    sys.path.insert(0, str(ROOT))
+    from ferrogrpc.testing import free_port
+
+    port = free_port()
     env = {
         **os.environ,
         "FERROGRPC_COORDINATOR": f"127.0.0.1:{port}",

@@ -390,11 +390,30 @@ class ServedJob:
         ]
         self.addresses: list[str] = []
         self.pids: list[int] = []
-        for rank in range(world):
-            words = self._line(rank).split()
-            assert words[:2] == ["READY", str(rank)], words
-            self.addresses.append(words[2])
-            self.pids.append(int(words[3]))
+        try:
+            for rank in range(world):
+                line = self._line(rank)
+                words = line.split()
+                if words[:2] != ["READY", str(rank)]:
+                    # The whole of what it wrote (a traceback), not its first line.
+                    raise AssertionError(f"rank {rank} did not start:\n{line}\n{self._rest(rank)}")
+                self.addresses.append(words[2])
+                self.pids.append(int(words[3]))
+        except BaseException:
+            for proc in self.procs:  # no rank is left waiting for the others
+                proc.kill()
+                proc.wait()
+            raise
+
+    def _rest(self, rank: int) -> str:
+        """What rank ``rank`` writes until it exits (killed after 10 s)."""
+        proc = self.procs[rank]
+        try:
+            out, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        return str(out)
 
     def _line(self, rank: int) -> str:
         import select

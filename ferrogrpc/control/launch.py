@@ -4,6 +4,7 @@ variables; forward signals; if one rank fails, stop the rest and name it."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -12,11 +13,42 @@ import time
 from collections.abc import Mapping, Sequence
 from types import FrameType
 
+# Where free_port looks first: below the kernel's ephemeral range.
+FREE_PORTS_FROM = 10_000
+
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a process started later to bind
+    (a master port). It is drawn below the kernel's ephemeral range
+    (``ip_local_port_range``), so that no socket the kernel numbers meanwhile
+    (a connection's own end, a bind to port 0) can take it before its user
+    binds it (one drawn by a bind to port 0 can be, on a machine where many
+    processes connect: the suspected cause of ranks that failed to start in
+    full test suites). Only where that range is unknown, or nothing below
+    it is free, a port the kernel picks."""
+    low = _ephemeral_low()
+    if low is not None and low > FREE_PORTS_FROM:
+        rng = random.Random()
+        for _ in range(64):
+            port = rng.randrange(FREE_PORTS_FROM, low)
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_low() -> int | None:
+    """The first port of the kernel's ephemeral range (Linux), if known."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def rank_env(
