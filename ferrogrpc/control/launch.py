@@ -13,8 +13,11 @@ import time
 from collections.abc import Mapping, Sequence
 from types import FrameType
 
-# Where free_port looks first: below the kernel's ephemeral range.
+# Where free_port looks first: below the kernel's ephemeral range, and not
+# among the ports torch's launchers and this project's benches name
+# (torchrun's 29500 and its neighbours).
 FREE_PORTS_FROM = 10_000
+NAMED_PORTS = range(29_000, 30_000)
 
 
 def free_port() -> int:
@@ -31,6 +34,8 @@ def free_port() -> int:
         rng = random.Random()
         for _ in range(64):
             port = rng.randrange(FREE_PORTS_FROM, low)
+            if port in NAMED_PORTS:
+                continue
             with socket.socket() as sock:
                 try:
                     sock.bind(("127.0.0.1", port))
