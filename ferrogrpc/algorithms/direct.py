@@ -152,8 +152,6 @@ def is_direct(desc: pb.Descriptor, itemsize: int) -> bool:
     shares this host, or none shares its host with another): every small
     one (one_exchange.py), an all_to_all only where it is uniform (its
     descriptor holds its size, the same on every rank) with small parts."""
-    if desc.kind == pb.ALL_TO_ALL and desc.numel == 0:
-        return False
     return desc.kind in DIRECT_KINDS and is_small(desc, itemsize, by_part=True)
 
 

@@ -37,8 +37,13 @@ def is_small(desc: pb.Descriptor, itemsize: int, *, by_part: bool) -> bool:
     ``by_part`` is for a group on one host, or with one rank per host:
     where several hosts hold several ranks each, one exchange would send
     every rank's part to every rank on the other hosts, several times the
-    cross-host bytes of the two-level path (two_level.py)."""
+    cross-host bytes of the two-level path (two_level.py). An all_to_all
+    whose descriptor holds no size (its sizes may differ by rank) is not
+    measured, and not small here (engine.py runs it in one exchange of
+    its own)."""
     numel = desc.numel
+    if desc.kind == pb.ALL_TO_ALL and not numel:
+        return False
     if by_part and desc.kind in (pb.ALL_GATHER, pb.REDUCE_SCATTER, pb.ALL_TO_ALL):
         numel = -(-numel // max(1, desc.world_size))
     return desc.world_size <= SMALL_WORLD and numel * itemsize <= SMALL_BYTES

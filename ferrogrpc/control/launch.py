@@ -31,7 +31,7 @@ def free_port() -> int:
     it is free, a port the kernel picks."""
     low = _ephemeral_low()
     if low is not None and low > FREE_PORTS_FROM:
-        rng = random.Random()
+        rng = random.Random()  # its own: not the draws of a program that seeded random
         for _ in range(64):
             port = rng.randrange(FREE_PORTS_FROM, low)
             if port in NAMED_PORTS:
