@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from client.netlab import Link, network
+from client.netlab import Link, network, stream
 from tests.helpers import ROOT, clean_env
 
 RATE = 100_000_000  # bits per second
@@ -61,6 +61,35 @@ def test_the_round_trip_is_added_between_hosts_and_not_to_a_host_itself() -> Non
         other, itself = connect(b.address), connect(a.address)
     assert 0.2 <= other < 1.0, other
     assert itself < 0.1, itself
+
+
+@pytest.mark.timeout(40)
+def test_a_shaped_link_keeps_tcp_segments_whole_and_its_rate() -> None:
+    """[Note: the bed's segments] in client/netlab.py: at 100 Mbit/s (a
+    16 KiB bucket) the segments a host hands its link fit the bucket, so
+    tbf does not cut them into frames in software: the receiving device
+    takes them whole (a frame is at most 1514 bytes). The rate is the
+    link's all the same."""
+    assert os.geteuid() == 0, "needs root for ip netns and tc (CI runs as root)"
+    with network(["a", "b"], Link(RATE)) as net:
+        a, b = net.hosts["a"], net.hosts["b"]
+
+        def received() -> tuple[int, int]:
+            stats = f"/sys/class/net/{b.device}/statistics"
+            out = subprocess.run(
+                b.run("cat", f"{stats}/rx_bytes", f"{stats}/rx_packets"),
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()
+            return int(out[0]), int(out[1])
+
+        before = received()
+        rate = stream(a, b, 4_000_000)
+        after = received()
+    per_packet = (after[0] - before[0]) / (after[1] - before[1])
+    assert per_packet > 4 * 1514, per_packet
+    assert 0.85 * RATE <= rate <= RATE, rate
 
 
 def _bench(figures: Path, size: str, pack: str, timeout: float) -> subprocess.CompletedProcess[str]:
