@@ -128,11 +128,13 @@ class Network:
 
 
 @contextlib.contextmanager
-def network(names: Sequence[str], link: Link | None = None) -> Iterator[Network]:
+def network(
+    names: Sequence[str], link: Link | None = None, segment: int | None = None
+) -> Iterator[Network]:
     """One namespace per name, each with an address on a shared bridge
     (``SUBNET``.10, .11, ... in order) and a hosts file naming them all,
-    its link shaped to ``link`` if given (:func:`shape`). Removes everything
-    on exit, killing what still runs in the namespaces."""
+    its link shaped to ``link`` if given (:func:`shape`, with ``segment``).
+    Removes everything on exit, killing what still runs in the namespaces."""
     tag = f"fg{os.getpid() % 100000}"
     hub = f"{tag}-hub"
     created: list[str] = []
@@ -162,7 +164,7 @@ def network(names: Sequence[str], link: Link | None = None) -> Iterator[Network]
         net = Network(hub, hosts)
         with contextlib.ExitStack() as stack:
             if link is not None:
-                stack.enter_context(shaped(net, link))
+                stack.enter_context(shaped(net, link, segment))
             yield net
     finally:
         for ns in reversed(created):
@@ -181,33 +183,43 @@ def namespaces(names: list[str]) -> Iterator[dict[str, str]]:
         yield {name: host.namespace for name, host in net.hosts.items()} | {"__hub__": net.hub}
 
 
+# One Ethernet frame: a segment of this size is never cut.
+FRAME = 1514
+
+
 def gso_size(burst: int) -> int:
     """The largest TCP segment (TSO/GSO) a host hands its link, for a
     token bucket of ``burst`` bytes: one that fits the bucket whole.
 
     [Note: the bed's segments] A segment larger than tbf's bucket is cut by
-    tbf into full-size frames, in software, and each frame then crosses the
-    bridge and the receiving namespace's stack alone. A real host's NIC cuts
-    segments in hardware and its driver merges frames on receipt (GRO), so
-    a bucket smaller than 64 KiB (100 Mbit/s: 16 KiB) charged the very cores
-    that train about ten times a real host's kernel work per byte: 200 KB
-    each way cost about 13 ms of CPU, against about 2 ms with segments
-    that fit (BENCHMARKS "The test bed's own cost at 100 Mbit/s"). tbf
-    counts a segment's headers once per frame, hence the quarter's margin.
-    The rate is the same either way: tbf still releases a segment only when
-    the bucket holds it."""
+    tbf into frames, in software, and every frame then travels the bed's
+    whole path alone: a bridge, a second token bucket, two veth hops, the
+    receiving namespace's stack and the ACKs back, each on the cores that
+    train (about 45 us a frame in this VM, whose timers exit to the
+    hypervisor). At 100 Mbit/s (a 16 KiB bucket) 200 KB each way cost about
+    13 ms of CPU; with segments that fit the bucket, about 2 ms, at the
+    same rate (BENCHMARKS "The test bed's own cost at 100 Mbit/s"). A real
+    sender's NIC cuts segments in hardware, and a real receiver pays for
+    its own frames only, not for the path's emulation. Its receiver does see
+    a slow link's frames one at a time, though: a test of per-frame costs
+    asks for :data:`FRAME`. tbf counts a segment's headers once per frame,
+    hence the quarter's margin. Not set above 64 KiB (1 Gbit/s and up: the
+    default)."""
     return min(64 << 10, burst * 3 // 4)
 
 
-def shape(net: Network, rate: int) -> None:
+def shape(net: Network, rate: int, segment: int | None = None) -> None:
     """Limit each host's link to ``rate`` bits per second each way: a token
     bucket (tc tbf) on its veth's way out of the namespace, and one on the
-    bridge port's way out towards it."""
+    bridge port's way out towards it. ``segment``: the largest TCP segment
+    a host hands its link (None: :func:`gso_size`'s; :data:`FRAME`: one
+    frame at a time, as a real slow link's receiver sees them arrive)."""
     # tbf sleeps on high-resolution timers, so a bucket of about a
     # millisecond keeps the rate smooth; at least a few full-size frames.
     burst = max(16 << 10, rate // 8 // 1000)
     limit = max(2 * burst, int(rate / 8 * QUEUE_S))
-    segment = gso_size(burst)
+    if segment is None:
+        segment = gso_size(burst)
     for host in net.hosts.values():
         for namespace, device in ((host.namespace, host.device), (net.hub, host.port)):
             ip("-n", namespace, "link", "set", "dev", device, "gso_max_size", str(segment))
@@ -238,12 +250,12 @@ def delayed(net: Network, rtt: float) -> Iterator[list[subprocess.Popen[str]]]:
 
 
 @contextlib.contextmanager
-def shaped(net: Network, link: Link) -> Iterator[Network]:
+def shaped(net: Network, link: Link, segment: int | None = None) -> Iterator[Network]:
     """``net`` with every host's link shaped to ``link``: its rate
     (:func:`shape`) and its round trip (:func:`delayed`). The rate goes with
     the namespaces; the delayers end on exit."""
     if link.rate:
-        shape(net, link.rate)
+        shape(net, link.rate, segment)
     with delayed(net, link.rtt):
         yield net
 
