@@ -596,9 +596,14 @@ class LocalPlane:
         # ms on a 2-core VM, and an elastic group's change of epoch waits for
         # its slowest member's close. A thread does it, mostly without the
         # interpreter's lock; the memory goes a few milliseconds after close().
-        threading.Thread(
-            target=_unmap, args=(maps, fd), name="ferrogrpc-unmap", daemon=True
-        ).start()
+        if not maps and fd < 0:
+            return  # closed before
+        try:
+            threading.Thread(
+                target=_unmap, args=(maps, fd), name="ferrogrpc-unmap", daemon=True
+            ).start()
+        except RuntimeError:  # no new threads: the interpreter is exiting
+            _unmap(maps, fd)
 
 
 def _unmap(maps: list[mmap.mmap], fd: int) -> None:
