@@ -61,10 +61,11 @@ def make_descriptor(
     as ``wire`` (None: as ``buffer``'s dtype). With ``link`` (across hosts,
     the default chunk size), the chunk is cut for the link
     (schedule.link_chunk_bytes, [Note: chunks on a link]). An all_to_all's
-    sizes may differ by rank, and its numel is 0 (each receiver checks the
-    sizes it gets), but for a ``uniform`` one (equal parts of one size on
-    every rank, as the quantized all-reduce's), whose numel every receiver
-    checks, and which may run on the direct sockets (direct.is_direct)."""
+    numel is 0, since its sizes may differ by rank (each receiver checks
+    the sizes it gets). A ``uniform`` one (equal parts of one size on every
+    rank, as the quantized all-reduce's) carries its numel, which every
+    receiver checks, and may then run on the direct sockets
+    (direct.is_direct)."""
     chunk_bytes, max_lanes = chunking
     itemsize = buffer.element_size()
     if link:
