@@ -122,8 +122,9 @@ ELEMENTS = 3_000_000  # 12 MB: about 1 s on 100 Mbit/s
 CALLS = 2
 
 
-def _cpu_per_call(tuning: str) -> list[float]:
-    """Both ranks' CPU seconds per 12 MB all_reduce over 100 Mbit/s."""
+def _per_call(tuning: str) -> dict[str, list[float]]:
+    """Both ranks' CPU seconds and voluntary context switches (the
+    reader's wake-ups) per 12 MB all_reduce over 100 Mbit/s."""
     # Frames one at a time, as a real 100 Mbit/s link's receiver sees them
     # (the bed's default hands on whole segments: [Note: the bed's segments]).
     with network(["a", "b"], Link.parse("100mbit"), segment=FRAME) as net:
@@ -159,7 +160,7 @@ def _cpu_per_call(tuning: str) -> list[float]:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-    cpu = []
+    seen: dict[str, list[float]] = {"cpu_s": [], "wakeups": []}
     for out in outs:
         lines = [line for line in out.splitlines() if line.startswith("{")]
         assert lines, out[-3000:]
@@ -167,17 +168,27 @@ def _cpu_per_call(tuning: str) -> list[float]:
         assert record["exact"] == [True] * CALLS, record
         expected = "applied" if tuning == "1" else "off"
         assert record["tuning"].startswith(expected), record
-        cpu += record["cpu_s"]
-    return cpu
+        for key, values in seen.items():
+            values += record[key]
+    return seen
 
 
 def test_a_slow_link_costs_a_fraction_of_the_cpu() -> None:
     assert os.geteuid() == 0, "needs root for ip netns and tc (CI runs as root)"
-    off = _cpu_per_call("0")
-    on = _cpu_per_call("1")
-    # Measured: about 0.3 s off and 0.05-0.06 s on, per 12 MB call.
-    print(f"CPU per call, untuned: {off}; tuned: {on}")
-    assert statistics.median(on) < 0.5 * statistics.median(off), (on, off)
+    off = _per_call("0")
+    on = _per_call("1")
+    print(f"per call, untuned: {off}; tuned: {on}")
+    # The mechanism: the reader wakes once a chunk has arrived, not per few
+    # frames. Measured per 12 MB call, alone and beside one or two CPU
+    # burners: 8,200-16,300 switches untuned, 1,100-1,950 tuned.
+    wakeups_off = statistics.median(off["wakeups"])
+    assert statistics.median(on["wakeups"]) < wakeups_off / 3, (on, off)
+    # What it buys: the medians' ratio was 0.35-0.55 alone and 0.40-0.70
+    # beside burners (CI, beside the other xdist worker: 0.54, which failed
+    # a bar of 0.5). The CPU also carries the bed's per-frame softirqs,
+    # charged to whichever process a core runs, and the neighbours'
+    # interference, so its margin is smaller than the switches'.
+    assert statistics.median(on["cpu_s"]) < 0.85 * statistics.median(off["cpu_s"]), (on, off)
 
 
 def test_the_receive_window_is_fixed_unless_auto() -> None:
