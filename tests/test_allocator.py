@@ -144,3 +144,51 @@ def test_a_ddp_steps_gradients_stay_warm(tmp_path: Any) -> None:
     pages = (64 << 20) // 4096
     assert faults["0"] >= 0.9 * pages, faults  # the reference: glibc's defaults
     assert faults["1"] < 0.25 * pages, faults
+
+
+_WARM_FAULTS = """
+import resource, sys, torch
+from ferrogrpc.runtime import allocator
+assert allocator.tune_allocator(True)
+if sys.argv[1] == "warm":
+    assert allocator.warm_heap(96 << 20) == 96 << 20
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+# What a joiner allocates once admitted: tensors of its parameters' sizes.
+kept = [torch.empty(1 << 20).fill_(1) for _ in range(20)]  # 80 MiB
+print("faults", resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_a_warm_heap_spares_the_next_allocations_their_page_faults(tmp_path: Any) -> None:
+    # [Note: a warm heap for a joiner]: 80 MiB allocated after warm_heap(96
+    # MiB) reuse pages already faulted in; in a fresh heap each of their
+    # 20480 pages faults.
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    script = tmp_path / "warm.py"
+    script.write_text(_WARM_FAULTS)
+    faults = {}
+    for how in ("warm", "cold"):
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        out = subprocess.run(
+            [sys.executable, str(script), how], env=env, capture_output=True, text=True, timeout=25
+        )
+        assert out.returncode == 0, out.stderr
+        faults[how] = int(out.stdout.split("faults")[1])
+    pages = (80 << 20) // 4096
+    assert faults["cold"] >= 0.9 * pages, faults  # the reference: a fresh heap
+    assert faults["warm"] < 0.1 * pages, faults
+
+
+def test_warm_heap_does_nothing_without_the_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A trim threshold glibc chose (or the user set) could hand the freed
+    # blocks straight back: nothing is allocated then.
+    _fresh(monkeypatch)
+    assert allocator.warm_heap(64 << 20) == 0
+    # Under the tuning: at most half its trim threshold.
+    monkeypatch.setattr(allocator, "_mmap_set", 64 << 20)
+    monkeypatch.setattr(allocator, "_trim_set", 8 << 20)
+    assert allocator.warm_heap(64 << 20) == 4 << 20

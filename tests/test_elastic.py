@@ -215,8 +215,11 @@ def test_an_optimizer_step_lets_a_transfer_in_flight_end_first() -> None:
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
 
+    member = ElasticBackend.__new__(ElasticBackend)
+    member._current = object()  # type: ignore[assignment]  # a member, not a joiner
+
     class Wrapper:  # what ElasticState reads of fg.DDP
-        backend = ElasticBackend.__new__(ElasticBackend)
+        backend = member
         module = model
 
         def broadcast_parameters(self) -> None: ...

@@ -10,6 +10,8 @@ import asyncio
 import gc
 import os
 import re
+import resource
+import secrets
 import signal
 import subprocess
 import sys
@@ -21,6 +23,7 @@ import pytest
 
 import ferrogrpc as fg
 from ferrogrpc.samehost import plane as local
+from ferrogrpc.samehost.segment import Segment, Spare
 from tests.helpers import RANKS, async_wait_until, free_port, rank_env
 
 pytestmark = pytest.mark.timeout(90)
@@ -118,13 +121,13 @@ async def test_close_does_not_wait_for_the_unmapping(monkeypatch: pytest.MonkeyP
     # (an elastic group's change of epoch waits for it), and the segments go
     # when the unmapping ends.
     go = threading.Event()
-    unmap = local._unmap
+    unmap = local.unmap
 
     def held(maps: list[Any], fd: int) -> None:
         go.wait(20)
         unmap(maps, fd)
 
-    monkeypatch.setattr(local, "_unmap", held)
+    monkeypatch.setattr(local, "unmap", held)
     before = _segments("self")
     async with fg.testing.local_group(2, transport="shm") as peers:
         assert all(p.data_path == "shared memory" for p in peers)
@@ -137,6 +140,61 @@ async def test_close_does_not_wait_for_the_unmapping(monkeypatch: pytest.MonkeyP
     finally:
         go.set()
     await async_wait_until(lambda: _segments("self") - before == set(), 5, "segments released")
+
+
+def _faults_writing(t: Any) -> int:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t.fill_(1)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+async def test_a_spare_segment_is_made_ahead_and_a_plane_takes_it() -> None:
+    # [Note: a segment made ahead]: a Spare's segment is written before a
+    # plane takes it, so that the plane's first collective faults no page
+    # of it in (a fresh one faults every page); one of another size, or not
+    # made yet, is released, as is a spare nobody took.
+    nbytes = local.segment_bytes()
+    pages = nbytes // 4096
+    before = _segments("self")
+    fresh = Segment(nbytes)
+    assert _faults_writing(fresh.tensor) >= 0.9 * pages  # the reference
+    fresh.release()
+
+    spare = Spare()
+    spare.prepare(nbytes)
+    assert spare._future is not None
+    spare._future.result(10)
+    plane = local.LocalPlane(secrets.token_hex(8), spare)
+    try:
+        assert _faults_writing(plane.segment) < 0.05 * pages
+        assert spare.take(nbytes) is None  # taken once
+    finally:
+        await plane.close()
+
+    spare.prepare(nbytes)
+    assert spare._future is not None
+    spare._future.result(10)
+    assert spare.take(nbytes // 2) is None  # another size: released
+    go = threading.Event()
+    real_touch = Segment.touch
+
+    def slow_touch(segment: Segment) -> Segment:
+        go.wait(10)
+        return real_touch(segment)
+
+    Segment.touch = slow_touch  # type: ignore[method-assign]
+    try:
+        spare.prepare(nbytes)
+        assert spare.take(nbytes) is None  # not made yet: released once it is
+        spare.prepare(nbytes)
+        spare.close()  # released once made
+        spare.prepare(nbytes)  # nothing more after close
+        assert spare._future is None
+    finally:
+        Segment.touch = real_touch  # type: ignore[method-assign]
+        go.set()
+    gc.collect()
+    await async_wait_until(lambda: _segments("self") - before == set(), 10, "segments released")
 
 
 def test_shm_off_moves_every_byte_over_grpc() -> None:

@@ -42,6 +42,8 @@ from ..errors import (
 from ..observe import metrics
 from ..runtime.backend import Backend, prepare
 from ..runtime.peer import Peer, observer_of
+from ..samehost.plane import segment_bytes
+from ..samehost.segment import Spare
 from ..v1 import rendezvous_pb2 as rpb
 
 logger = logging.getLogger("ferrogrpc.elastic")
@@ -115,6 +117,9 @@ class ElasticBackend:
         self._removed_me = False
         self._lock = threading.Lock()
         self._closed = False
+        # The next epoch's shared segment, made ahead ([Note: a segment made
+        # ahead] in samehost/segment.py).
+        self._spare = Spare()
         # The state a joiner receives, and members send (ElasticState).
         self.state: GroupState | None = None
         # Where this process is (see _settle): the step it runs, 0 at its
@@ -209,6 +214,7 @@ class ElasticBackend:
                 port=s.port,
                 advertise_host=self._advertise,
                 settings=s,
+                spare=self._spare,
             )
 
         self._current = None
@@ -267,7 +273,10 @@ class ElasticBackend:
         self._client.start()
         latest = self._client.heartbeat_once(timeout=max(1.0, self._s.timeouts.connect))
         if latest is not None and latest.epoch > 0:
-            return  # a running group: admitted at its next step boundary
+            # A running group: admitted at its next step boundary, with a
+            # segment made meanwhile.
+            self._prepare_spare()
+            return
         self._enter(rpb.ENTER_JOIN)
 
     @property
@@ -361,6 +370,14 @@ class ElasticBackend:
             peer=lost[0] if lost else None,
         )
 
+    def _prepare_spare(self) -> None:
+        """Have the next epoch's segment made ahead: on a joiner (which may
+        share its host with members), and on a member whose epoch has ranks
+        on its host (none: its next epoch is unlikely to)."""
+        current = self._current
+        if self._s.shm and (current is None or current.data_path != "grpc"):
+            self._spare.prepare(segment_bytes())
+
     def boundary(self, step: int) -> bool:
         """A step boundary, before ``step`` (``ElasticState.steps`` calls
         it): a joiner is admitted here and receives the group's state;
@@ -369,6 +386,8 @@ class ElasticBackend:
         here (the group's step index came with it: ``ElasticState.step``)."""
         self._step, self._phase = step, 0
         received = False
+        # A step after the last change of epoch: the next one's segment.
+        self._prepare_spare()
         # A step without a sync may have left the last transfer running: it
         # ends here, on the first pass only. A transfer this boundary begins
         # goes on during the step (see [Note: the state in two parts]).
@@ -521,6 +540,7 @@ class ElasticBackend:
         if self._closed:
             return
         self._closed = True
+        self._spare.close()
         self._client.close()
         current = self._current
         if current is not None:

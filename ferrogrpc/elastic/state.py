@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, FerroGrpcError
+from ..runtime.allocator import warm_heap
 from ..runtime.work import Work
 from .backend import ElasticBackend
 
@@ -85,6 +86,22 @@ def _dtype_name(dtype: torch.dtype, what: str) -> str:
     if name not in _DTYPES:
         raise ConfigError(f"ElasticState: {what} has dtype {dtype}, which it cannot send")
     return name
+
+
+def _moments_per_parameter(group: dict[str, Any], optimizer: torch.optim.Optimizer) -> int:
+    """How many tensors of each parameter's shape ``optimizer`` keeps for
+    the parameters of ``group`` once it has stepped: torch's own
+    optimizers; 0 for the others."""
+    optim = torch.optim
+    if isinstance(optimizer, optim.Adam | optim.AdamW):
+        return 3 if group.get("amsgrad") else 2
+    if isinstance(optimizer, optim.NAdam | optim.RAdam | optim.Adamax | optim.Adadelta):
+        return 2
+    if isinstance(optimizer, optim.SGD):
+        return 1 if group.get("momentum") else 0
+    if isinstance(optimizer, optim.RMSprop):
+        return 1 + bool(group.get("momentum")) + bool(group.get("centered"))
+    return 0
 
 
 def _model_count(names: list[str]) -> int:
@@ -227,6 +244,18 @@ class ElasticState:
         self._receiving: _Receiving | None = None
         self.incomplete = False
         self._groups_json(optimizer.state_dict())  # JSON-able hyperparameters, or ConfigError
+        if backend.joining:
+            # What it allocates once admitted, faulted in while it waits:
+            # [Note: a warm heap for a joiner] (runtime/allocator.py). Per
+            # parameter byte: its gradient, DDP's bucket, the optimizer's.
+            warm_heap(
+                sum(
+                    p.numel() * p.element_size() * (2 + _moments_per_parameter(group, optimizer))
+                    for group in optimizer.param_groups
+                    for p in group["params"]
+                    if p.device.type == "cpu"
+                )
+            )
         optimizer.register_step_pre_hook(self._before_optimizer_step)
         backend.state = self
 

@@ -52,6 +52,20 @@ gradient, up to :data:`WARM_MAX`. What that costs: up to one largest
 gradient kept in the heap between steps, not a higher peak (the gradient
 is allocated at the peak anyway). Only a threshold this tuning set is
 raised; one the user set is theirs.
+
+[Note: a warm heap for a joiner]
+A process that joins a running elastic group starts with a small heap.
+What it allocates once admitted (the gRPC buffers its state arrives in,
+the optimizer's state, its first gradients and DDP's buckets) is then
+fresh memory, faulted in page by page while every member waits for its
+first step. :func:`warm_heap` lets it fault that memory in beforehand,
+while it waits to be admitted: it allocates and touches blocks, then frees
+them, and the heap keeps them (below the trim threshold) for the next
+allocations. ElasticState does it on a joiner, for its gradients, DDP's
+bucket and the optimizer's state. Measured at 100 MB of model and Adam
+state (``client.bench --elastic``, four runs each, alternated): the
+joiner's whole receipt took 0.109-0.129 s instead of 0.172-0.220, and the
+members' pause was 0.134-0.164 s instead of 0.160-0.185.
 """
 
 from __future__ import annotations
@@ -60,6 +74,8 @@ import ctypes
 import ctypes.util
 import sys
 from typing import Any
+
+import torch
 
 from ..env import Settings
 
@@ -157,3 +173,20 @@ def tune_for(s: Settings) -> bool:
         set_mmap=not s.user_mmap_threshold,
         set_trim=not s.user_trim_threshold,
     )
+
+
+def warm_heap(nbytes: int) -> int:
+    """Fault in up to ``nbytes`` of heap now and leave it free in the heap
+    (see [Note: a warm heap for a joiner]). Only under this tuning's
+    thresholds: at most half its trim threshold, in blocks below its mmap
+    threshold. Returns the bytes warmed (0 without the tuning)."""
+    if _mmap_set is None or _trim_set is None:
+        return 0
+    total = min(nbytes, _trim_set // 2)
+    block = _mmap_set // 4
+    blocks = [
+        torch.empty(min(block, total - at), dtype=torch.uint8).fill_(0)
+        for at in range(0, total, block)
+    ]
+    del blocks
+    return total

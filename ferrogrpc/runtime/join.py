@@ -26,6 +26,7 @@ from ..observe.observer import Observer
 from ..observe.setup import attach as attach_sinks
 from ..options import ChunkPolicy
 from ..samehost.plane import LocalPlane, host_key
+from ..samehost.segment import Spare
 from ..samehost.topology import Topology
 from ..transport.grpc_streams import HEADER_ROOM, GrpcTransport
 from ..transport.streams import Transport
@@ -102,9 +103,11 @@ async def join(
     bind_host: str,
     port: int,
     advertise_host: str | None,
+    spare: Spare | None = None,
 ) -> Parts:
-    """Bind, join the rendezvous and connect the host's shared memory.
-    Releases whatever it bound if anything fails (cancellation included)."""
+    """Bind, join the rendezvous and connect the host's shared memory (its
+    segment from ``spare`` if one is ready there). Releases whatever it
+    bound if anything fails (cancellation included)."""
     tune_for(s)
     if transport is None:
         transport = GrpcTransport(
@@ -130,7 +133,7 @@ async def join(
     mailboxes = Mailboxes()
     intake = Intake(mailboxes)
     nonce = secrets.token_hex(16)
-    plane = LocalPlane(nonce) if s.shm else None
+    plane = LocalPlane(nonce, spare) if s.shm else None
     try:
         address = await transport.start(intake)
         result = await rendezvous.exchange(

@@ -31,6 +31,7 @@ from ..observe import trace
 from ..observe.observer import Observer
 from ..ops import DTYPE_TO_WIRE, ReduceOp
 from ..options import ChunkPolicy, Timeouts, TLSConfig
+from ..samehost.segment import Spare
 from ..transport.grpc_streams import GrpcTransport
 from ..transport.integrity import Checksum
 from ..transport.streams import Transport
@@ -172,6 +173,7 @@ class Peer:
         direct: bool | None = None,
         placement: Callable[[Identity], Placement] | None = None,
         settings: Settings | None = None,
+        spare: Spare | None = None,
     ) -> Peer:
         """Bind, join the rendezvous, connect, and return once every rank has.
 
@@ -190,6 +192,8 @@ class Peer:
         on; ``FERROGRPC_DIRECT=0`` turns it off) runs small collectives
         between ranks that share no memory on the TCP mesh (direct_mesh.py).
         ``placement`` builds how device tensors are staged (tests).
+        ``spare`` may hold a shared segment made ahead (an elastic backend's:
+        samehost/segment.py).
 
         Raises RendezvousError, or CollectiveTimeoutError if the ring does
         not form within the connect timeout; whatever was bound is released.
@@ -204,7 +208,7 @@ class Peer:
             direct=direct,
         )
         parts = await join(
-            s, rank, world_size, rendezvous, transport, bind_host, port, advertise_host
+            s, rank, world_size, rendezvous, transport, bind_host, port, advertise_host, spare
         )
         peer: Peer | None = None
         try:

@@ -61,6 +61,7 @@ from ..errors import (
 )
 from ..transport.integrity import Checksum
 from ..v1 import collective_pb2 as pb
+from .segment import Segment, Spare, unmap
 
 # Signal kinds.
 BEGIN = 1  # payload: the serialized Descriptor of the collective (arg: seq)
@@ -87,6 +88,12 @@ _FRAME = struct.Struct("<IBQ")  # payload length, kind, arg
 # fewer signals and Python per byte), as fast as 16 x 4 or 32 x 2.
 SLOT_BYTES = 16 << 20
 SLOTS = 2
+
+
+def segment_bytes() -> int:
+    """The size of a rank's segment (read when needed: tests shrink it)."""
+    return SLOTS * SLOT_BYTES
+
 
 DIRECT_SNDBUF = 1 << 20  # asked for on a direct socket (the kernel caps it)
 
@@ -159,7 +166,9 @@ class _Link:
 class LocalPlane:
     """This rank's end of its host's shared memory and signal mesh."""
 
-    def __init__(self, nonce: str) -> None:
+    def __init__(self, nonce: str, spare: Spare | None = None) -> None:
+        """``spare``: where a segment made ahead may be ready (see [Note: a
+        segment made ahead] in segment.py)."""
         self.nonce = nonce
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(_socket_name(nonce))
@@ -167,10 +176,12 @@ class LocalPlane:
         # Read at creation: every rank of a job uses the same module constant.
         self.slot_bytes = SLOT_BYTES
         self.slots = SLOTS
-        self.fd = os.memfd_create("ferrogrpc", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, self.slots * self.slot_bytes)
-        self._map = mmap.mmap(self.fd, self.slots * self.slot_bytes)
-        self.segment = torch.frombuffer(self._map, dtype=torch.uint8)
+        nbytes = segment_bytes()
+        took = spare.take(nbytes) if spare is not None else None
+        mine = took or Segment(nbytes)
+        self.fd = mine.fd
+        self._map = mine.map
+        self.segment = mine.tensor
         self.links: dict[int, _Link] = {}
         self.me: Identity | None = None
         self.round = 0  # the global round counter: the same on every local rank
@@ -600,19 +611,10 @@ class LocalPlane:
             return  # closed before
         try:
             threading.Thread(
-                target=_unmap, args=(maps, fd), name="ferrogrpc-unmap", daemon=True
+                target=unmap, args=(maps, fd), name="ferrogrpc-unmap", daemon=True
             ).start()
         except RuntimeError:  # no new threads: the interpreter is exiting
-            _unmap(maps, fd)
-
-
-def _unmap(maps: list[mmap.mmap], fd: int) -> None:
-    for mapped in maps:
-        # A tensor may still view it: it is then freed with the last reference.
-        with contextlib.suppress(BufferError):
-            mapped.close()
-    if fd >= 0:
-        os.close(fd)
+            unmap(maps, fd)
 
 
 def _fail_waits(link: _Link, err: FerroGrpcError) -> None:
