@@ -176,7 +176,7 @@ class LocalPlane:
         # Read at creation: every rank of a job uses the same module constant.
         self.slot_bytes = SLOT_BYTES
         self.slots = SLOTS
-        nbytes = segment_bytes()
+        nbytes = self.slots * self.slot_bytes
         took = spare.take(nbytes) if spare is not None else None
         mine = took or Segment(nbytes)
         self.fd = mine.fd
