@@ -151,18 +151,19 @@ import resource, sys, torch
 from ferrogrpc.runtime import allocator
 assert allocator.tune_allocator(True)
 if sys.argv[1] == "warm":
-    assert allocator.warm_heap(96 << 20) == 96 << 20
+    # More than half the tuning's trim threshold (256 MiB): it is raised.
+    assert allocator.warm_heap(192 << 20) == 192 << 20
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 # What a joiner allocates once admitted: tensors of its parameters' sizes.
-kept = [torch.empty(1 << 20).fill_(1) for _ in range(20)]  # 80 MiB
+kept = [torch.empty(1 << 20).fill_(1) for _ in range(40)]  # 160 MiB
 print("faults", resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
 def test_a_warm_heap_spares_the_next_allocations_their_page_faults(tmp_path: Any) -> None:
-    # [Note: a warm heap for a joiner]: 80 MiB allocated after warm_heap(96
-    # MiB) reuse pages already faulted in; in a fresh heap each of their
-    # 20480 pages faults.
+    # [Note: a warm heap for a joiner]: 160 MiB allocated after
+    # warm_heap(192 MiB) reuse pages already faulted in; in a fresh heap each
+    # of their 40960 pages faults.
     import subprocess
     import sys
 
@@ -178,7 +179,7 @@ def test_a_warm_heap_spares_the_next_allocations_their_page_faults(tmp_path: Any
         )
         assert out.returncode == 0, out.stderr
         faults[how] = int(out.stdout.split("faults")[1])
-    pages = (80 << 20) // 4096
+    pages = (160 << 20) // 4096
     assert faults["cold"] >= 0.9 * pages, faults  # the reference: a fresh heap
     assert faults["warm"] < 0.1 * pages, faults
 
@@ -188,7 +189,35 @@ def test_warm_heap_does_nothing_without_the_tuning(monkeypatch: pytest.MonkeyPat
     # blocks straight back: nothing is allocated then.
     _fresh(monkeypatch)
     assert allocator.warm_heap(64 << 20) == 0
-    # Under the tuning: at most half its trim threshold.
-    monkeypatch.setattr(allocator, "_mmap_set", 64 << 20)
-    monkeypatch.setattr(allocator, "_trim_set", 8 << 20)
-    assert allocator.warm_heap(64 << 20) == 4 << 20
+    # Under the tuning, its trim threshold is raised to twice what it warms
+    # (at most WARM_HEAP_MAX), never lowered; a trim threshold the user set
+    # keeps warm_heap off.
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: _Libc(calls))
+    assert allocator.tune_for(Settings.from_env({}))
+    calls.clear()
+    mib = 1 << 20
+    monkeypatch.setattr(allocator, "torch", _NoTorch())
+    assert allocator.warm_heap(64 * mib) == 64 * mib and calls == []  # under 256 MiB
+    assert allocator.warm_heap(200 * mib) == 200 * mib and calls == [(TRIM, 400 * mib)]
+    calls.clear()
+    assert allocator.warm_heap(8 << 30) == allocator.WARM_HEAP_MAX
+    assert calls == [(TRIM, 2 * allocator.WARM_HEAP_MAX)]
+    _fresh(monkeypatch)
+    allocator.tune_for(Settings.from_env({"MALLOC_TRIM_THRESHOLD_": str(mib)}))
+    calls.clear()
+    assert allocator.warm_heap(64 * mib) == 0 and calls == []
+
+
+class _NoTorch:
+    """Stands in for torch in warm_heap: allocates nothing."""
+
+    uint8 = None
+
+    @staticmethod
+    def empty(n: int, dtype: Any = None) -> Any:
+        class _Block:
+            def fill_(self, _: int) -> _Block:
+                return self
+
+        return _Block()

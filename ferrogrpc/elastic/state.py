@@ -247,10 +247,12 @@ class ElasticState:
         if backend.joining:
             # What it allocates once admitted, faulted in while it waits:
             # [Note: a warm heap for a joiner] (runtime/allocator.py). Per
-            # parameter byte: its gradient, DDP's bucket, the optimizer's.
+            # parameter byte: its gradient, DDP's two buckets (the second is
+            # filled by the second step), the optimizer's, and one more for
+            # what the transfer passes through meanwhile (gRPC's buffers).
             warm_heap(
                 sum(
-                    p.numel() * p.element_size() * (2 + _moments_per_parameter(group, optimizer))
+                    p.numel() * p.element_size() * (4 + _moments_per_parameter(group, optimizer))
                     for group in optimizer.param_groups
                     for p in group["params"]
                     if p.device.type == "cpu"

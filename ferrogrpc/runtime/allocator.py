@@ -60,12 +60,17 @@ the optimizer's state, its first gradients and DDP's buckets) is then
 fresh memory, faulted in page by page while every member waits for its
 first step. :func:`warm_heap` lets it fault that memory in beforehand,
 while it waits to be admitted: it allocates and touches blocks, then frees
-them, and the heap keeps them (below the trim threshold) for the next
-allocations. ElasticState does it on a joiner, for its gradients, DDP's
-bucket and the optimizer's state. Measured at 100 MB of model and Adam
-state (``client.bench --elastic``, four runs each, alternated): the
-joiner's whole receipt took 0.109-0.129 s instead of 0.172-0.220, and the
-members' pause was 0.134-0.164 s instead of 0.160-0.185.
+them, and the heap keeps them (under a trim threshold raised to twice
+that) for the next allocations. ElasticState does it on a joiner, for its
+gradients, DDP's two buckets, the optimizer's state, and as much again as
+a gradient for the buffers the transfer passes through. Measured at 100 MB
+of model and Adam state (``client.bench --elastic``, four runs each,
+alternated): the joiner's whole receipt took 0.109-0.129 s instead of
+0.172-0.220, and the members' pause was 0.134-0.164 s instead of
+0.160-0.185. DDP fills its second bucket in the second step: left out of
+the warming (under the old cap of half the trim threshold), its 33.6 MB
+faulted in page by page (6-14k faults) while every member waited; warmed,
+0-2k faults remain over the joiner's first two steps.
 """
 
 from __future__ import annotations
@@ -93,6 +98,9 @@ _trim_set: int | None = None
 # The most keep_warm raises the mmap threshold to: a larger gradient is
 # mapped and unmapped each step, as glibc does by default.
 WARM_MAX = 256 << 20
+# The most warm_heap faults in (and keeps free in the heap, under a trim
+# threshold raised to twice it).
+WARM_HEAP_MAX = 1 << 30
 
 
 def tune_allocator(
@@ -176,13 +184,20 @@ def tune_for(s: Settings) -> bool:
 
 
 def warm_heap(nbytes: int) -> int:
-    """Fault in up to ``nbytes`` of heap now and leave it free in the heap
-    (see [Note: a warm heap for a joiner]). Only under this tuning's
-    thresholds: at most half its trim threshold, in blocks below its mmap
-    threshold. Returns the bytes warmed (0 without the tuning)."""
-    if _mmap_set is None or _trim_set is None:
+    """Fault in up to ``nbytes`` (at most :data:`WARM_HEAP_MAX`) of heap now
+    and leave it free in the heap (see [Note: a warm heap for a joiner]),
+    in blocks below this tuning's mmap threshold; its trim threshold is
+    raised to twice that, as :func:`keep_warm` does. Returns the bytes
+    warmed (0 without the tuning, or with a trim threshold the user set)."""
+    global _trim_set
+    if _mallopt is None or _mmap_set is None or _trim_set is None:
         return 0
-    total = min(nbytes, _trim_set // 2)
+    total = min(nbytes, WARM_HEAP_MAX)
+    if 2 * total > _trim_set:
+        if not _mallopt(_M_TRIM_THRESHOLD, 2 * total):
+            total = _trim_set // 2
+        else:
+            _trim_set = 2 * total
     block = _mmap_set // 4
     blocks = [
         torch.empty(min(block, total - at), dtype=torch.uint8).fill_(0)
