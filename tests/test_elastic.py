@@ -247,6 +247,44 @@ def test_an_optimizer_step_lets_a_transfer_in_flight_end_first() -> None:
     assert len(seen) == 2
 
 
+def test_a_spare_segment_is_made_where_the_next_epoch_may_share_the_host() -> None:
+    """[Note: a segment made ahead]: a joiner, a member whose epoch has
+    ranks on its host, and a lone member (its next epoch admits a joiner,
+    perhaps a process restarted beside it) make the next epoch's segment
+    ahead; a member of a group spread one rank a host does not, nor any
+    process with shared memory off."""
+    from ferrogrpc.elastic.backend import ElasticBackend
+    from ferrogrpc.env import Settings
+
+    class Current:
+        def __init__(self, data_path: str, world_size: int) -> None:
+            self.data_path, self.world_size = data_path, world_size
+
+    class Spare:
+        def __init__(self) -> None:
+            self.prepared: list[int] = []
+
+        def prepare(self, nbytes: int) -> None:
+            self.prepared.append(nbytes)
+
+    cases = [
+        (True, None, True),  # a joiner
+        (True, Current("shared memory", 3), True),
+        (True, Current("two-level", 4), True),
+        (True, Current("grpc", 1), True),  # a lone member
+        (True, Current("grpc", 3), False),  # one rank a host
+        (False, None, False),
+        (False, Current("shared memory", 3), False),
+    ]
+    for shm, current, made in cases:
+        backend = ElasticBackend.__new__(ElasticBackend)
+        backend._s = Settings.from_env({}).merged(shm=shm)
+        backend._current = current  # type: ignore[assignment]
+        backend._spare = Spare()  # type: ignore[assignment]
+        backend._prepare_spare()
+        assert bool(backend._spare.prepared) == made, (shm, current and vars(current))
+
+
 # ------------------------------------------------------- refusals, at once
 
 

@@ -372,10 +372,15 @@ class ElasticBackend:
 
     def _prepare_spare(self) -> None:
         """Have the next epoch's segment made ahead: on a joiner (which may
-        share its host with members), and on a member whose epoch has ranks
-        on its host (none: its next epoch is unlikely to)."""
+        share its host with members), on a member whose epoch has ranks on
+        its host, and on a lone member, whose next epoch admits a joiner
+        that may be a process restarted beside it (a member of a group
+        spread over hosts, one a host, makes none: its next epoch is
+        unlikely to have ranks on its host)."""
         current = self._current
-        if self._s.shm and (current is None or current.data_path != "grpc"):
+        if self._s.shm and (
+            current is None or current.data_path != "grpc" or current.world_size == 1
+        ):
             self._spare.prepare(segment_bytes())
 
     def boundary(self, step: int) -> bool:

@@ -11,9 +11,11 @@ change of epoch, on the path from a death or a join to the next step: a new
 before. So an elastic backend keeps one segment made and touched ahead, by a
 thread, between its changes of epoch (:class:`Spare`), and its next epoch's
 plane takes it: a member whose epoch has ranks on its host makes one after
-each change, and a joiner while it waits to be admitted. The price is one
-more segment's memory (32 MiB) while training, and a joiner that finds no
-member on its host holds its spare unused for its first epoch. Measured
+each change, as does a lone member (its next epoch admits a joiner, often a
+process restarted beside it), and a joiner while it waits to be admitted.
+The price is one more segment's memory (32 MiB) while training, and a
+joiner that finds no member on its host holds its spare unused for its
+first epoch. Measured
 with ``client.bench --elastic`` at 100 MB (four runs each, alternated, the
 joiner's heap warm in both: runtime/allocator.py): the members' pause at a
 join was 0.105-0.127 s instead of 0.131-0.141.
