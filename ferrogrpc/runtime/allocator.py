@@ -71,6 +71,9 @@ alternated): the joiner's whole receipt took 0.109-0.129 s instead of
 the warming (under the old cap of half the trim threshold), its 33.6 MB
 faulted in page by page (6-14k faults, 0.11-0.16 s) while every member
 waited; warmed, its first step faults none of it, its second 1-3k pages.
+The price of the raised trim threshold: a joiner's heap keeps what the
+transfer's buffers used (about a gradient's worth) free between steps,
+where glibc's default would hand it back.
 """
 
 from __future__ import annotations
