@@ -148,6 +148,24 @@ def _faults_writing(t: Any) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
+def test_a_touched_segment_faults_no_page_on_its_first_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Segment.touch maps every page in: with one madvise where the kernel
+    # has MADV_POPULATE_WRITE, else (an advice it refuses) by writing them.
+    from ferrogrpc.samehost import segment
+
+    nbytes = local.segment_bytes()
+    pages = nbytes // 4096
+    for advice in (segment._MADV_POPULATE_WRITE, -1):
+        monkeypatch.setattr(segment, "_MADV_POPULATE_WRITE", advice)
+        touched = Segment(nbytes).touch()
+        try:
+            assert _faults_writing(touched.tensor) < 0.05 * pages, advice
+        finally:
+            touched.release()
+
+
 async def test_a_spare_segment_is_made_ahead_and_a_plane_takes_it() -> None:
     # [Note: a segment made ahead]: a Spare's segment is written before a
     # plane takes it, so that the plane's first collective faults no page
