@@ -18,10 +18,9 @@ joiner that finds no member on its host holds its spare unused for its
 first epoch. Measured with ``client.bench --elastic`` at 100 MB (four runs
 each, alternated, the joiner's heap warm in both: runtime/allocator.py):
 the members' pause at a join was 0.105-0.127 s instead of 0.131-0.141.
-The making is paid once per
-change of epoch, in the first step after it: 7.5-11 ms of CPU for 32 MiB on
-an idle core, 16-52 ms in each process of a 3-rank group at 400 MB whose
-joiner had just arrived (2 cores).
+The making is paid once per change of epoch, in the first step after it:
+7.5-11 ms of CPU for 32 MiB on an idle core, 16-52 ms in each process of a
+3-rank group at 400 MB whose joiner had just arrived (2 cores).
 """
 
 from __future__ import annotations
