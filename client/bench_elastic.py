@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,8 +35,10 @@ from typing import Any
 from client.common import MiB, fmt_size, parse_size
 
 MESSAGE = 4 * MiB
-# How many of the members' steps after a join count in their pause.
+# How many of the members' steps after a join count in their pause, and
+# how many steps before the kill give a normal step's length.
 GROWN = 3
+BASELINE = 8
 
 
 def _free_port() -> int:
@@ -240,12 +244,15 @@ def measure(nproc: int, state_bytes: int, timeout: float) -> dict[str, float]:
         run = Run(Path(tmp), nproc, state_bytes)
         try:
             run.wait_for(
-                lambda: len([d for d in run.lines() if d["step"] >= 5]) >= nproc,
+                lambda: len([d for d in run.lines() if d["step"] >= BASELINE + 2]) >= nproc,
                 timeout,
                 "the group training",
             )
             before = [d for d in run.lines(0)]
-            step_time = (before[-1]["t"] - before[-4]["t"]) / 3
+            # A normal step: the median of the last BASELINE (the steady
+            # ones, after the first two).
+            ends = [d["t"] for d in before[-BASELINE - 1 :]]
+            step_time = statistics.median(b - a for a, b in itertools.pairwise(ends))
             victim = run.procs[-1]
             killed = time.time()
             victim.send_signal(signal.SIGKILL)
@@ -342,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     print(
-        "(step s: a member's step before the kill; kill->step: from the SIGKILL to the "
+        f"(step s: a member's step before the kill (the median of the last {BASELINE}); "
+        "kill->step: from the SIGKILL to the "
         "survivors' next completed step; join->step: from the replacement's start to its "
         "first completed step; transfer: the state it received, striped over every member, "
         "until its last byte landed (its optimizer's part lands during its first step, "
@@ -352,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         "own part of a buffer, two processes; repeat: the same, one cached message sent "
         "again and again (grpc_ceiling.py's way); pause: the members' "
         f"first {GROWN} steps with the joiner (the one that admitted it, and those that "
-        f"still pay for its first use of memory), less {GROWN} normal steps; 1st: the "
+        f"still pay for its first use of memory), less {GROWN} such steps; 1st: the "
         "step that admitted it alone, less one)"
     )
     return 0
