@@ -250,9 +250,10 @@ def test_an_optimizer_step_lets_a_transfer_in_flight_end_first() -> None:
 def test_a_spare_segment_is_made_where_the_next_epoch_may_share_the_host() -> None:
     """[Note: a segment made ahead]: a joiner, a member whose epoch has
     ranks on its host, and a lone member (its next epoch admits a joiner,
-    perhaps a process restarted beside it) make the next epoch's segment
-    ahead; a member of a group spread one rank a host does not, nor any
-    process with shared memory off."""
+    perhaps a process restarted beside it) have the next epoch's segment
+    made ahead, a joiner the one after too (it has none to hand back); a
+    member of a group spread one rank a host does not, nor any process
+    with shared memory off."""
     from ferrogrpc.elastic.backend import ElasticBackend
     from ferrogrpc.env import Settings
 
@@ -264,17 +265,17 @@ def test_a_spare_segment_is_made_where_the_next_epoch_may_share_the_host() -> No
         def __init__(self) -> None:
             self.prepared: list[int] = []
 
-        def prepare(self, nbytes: int) -> None:
-            self.prepared.append(nbytes)
+        def prepare(self, nbytes: int, count: int = 1) -> None:
+            self.prepared.append(count)
 
     cases = [
-        (True, None, True),  # a joiner
-        (True, Current("shared memory", 3), True),
-        (True, Current("two-level", 4), True),
-        (True, Current("grpc", 1), True),  # a lone member
-        (True, Current("grpc", 3), False),  # one rank a host
-        (False, None, False),
-        (False, Current("shared memory", 3), False),
+        (True, None, [2]),  # a joiner: its next epoch's and the one after
+        (True, Current("shared memory", 3), [1]),
+        (True, Current("two-level", 4), [1]),
+        (True, Current("grpc", 1), [1]),  # a lone member
+        (True, Current("grpc", 3), []),  # one rank a host
+        (False, None, []),
+        (False, Current("shared memory", 3), []),
     ]
     for shm, current, made in cases:
         backend = ElasticBackend.__new__(ElasticBackend)
@@ -282,7 +283,7 @@ def test_a_spare_segment_is_made_where_the_next_epoch_may_share_the_host() -> No
         backend._current = current  # type: ignore[assignment]
         backend._spare = Spare()  # type: ignore[assignment]
         backend._prepare_spare()
-        assert bool(backend._spare.prepared) == made, (shm, current and vars(current))
+        assert backend._spare.prepared == made, (shm, current and vars(current))
 
 
 # ------------------------------------------------------- refusals, at once

@@ -169,8 +169,9 @@ def test_a_touched_segment_faults_no_page_on_its_first_writes(
 async def test_a_spare_segment_is_made_ahead_and_a_plane_takes_it() -> None:
     # [Note: a segment made ahead]: a Spare's segment is written before a
     # plane takes it, so that the plane's first collective faults no page
-    # of it in (a fresh one faults every page); one of another size, or not
-    # made yet, is released, as is a spare nobody took.
+    # of it in (a fresh one faults every page); one of another size is
+    # released, one not made yet is taken once it is, and close releases
+    # every one, made or still being made.
     nbytes = local.segment_bytes()
     pages = nbytes // 4096
     before = _segments("self")
@@ -180,19 +181,18 @@ async def test_a_spare_segment_is_made_ahead_and_a_plane_takes_it() -> None:
 
     spare = Spare()
     spare.prepare(nbytes)
-    assert spare._future is not None
-    spare._future.result(10)
+    await async_wait_until(lambda: all(f.done() for f in spare._held), 10, "a spare made")
     plane = local.LocalPlane(secrets.token_hex(8), spare)
     try:
         assert _faults_writing(plane.segment) < 0.05 * pages
         assert spare.take(nbytes) is None  # taken once
     finally:
         await plane.close()
+    spare.take(nbytes).release()  # the closed plane's, handed back
 
     spare.prepare(nbytes)
-    assert spare._future is not None
-    spare._future.result(10)
-    assert spare.take(nbytes // 2) is None  # another size: released
+    await async_wait_until(lambda: all(f.done() for f in spare._held), 10, "a spare made")
+    assert spare.take(nbytes // 2) is None and spare._held == []  # another size: released
     go = threading.Event()
     real_touch = Segment.touch
 
@@ -202,15 +202,56 @@ async def test_a_spare_segment_is_made_ahead_and_a_plane_takes_it() -> None:
 
     Segment.touch = slow_touch  # type: ignore[method-assign]
     try:
-        spare.prepare(nbytes)
-        assert spare.take(nbytes) is None  # not made yet: released once it is
-        spare.prepare(nbytes)
-        spare.close()  # released once made
+        spare.prepare(nbytes, count=3)
+        assert len(spare._held) == 2  # at most HELD
+        assert spare.take(nbytes) is None  # not made yet: still held
+        go.set()
+        await async_wait_until(lambda: all(f.done() for f in spare._held), 10, "spares made")
+        taken = spare.take(nbytes)
+        assert taken is not None and len(spare._held) == 1
+        taken.release()
+        go.clear()
+        spare.prepare(nbytes, count=2)  # one held, one being made
+        spare.close()  # both released, the second once made
         spare.prepare(nbytes)  # nothing more after close
-        assert spare._future is None
+        assert spare._held == []
+        extra = Segment(4096)
+        assert not spare.give(extra)  # closed: the caller releases it
+        extra.release()
     finally:
         Segment.touch = real_touch  # type: ignore[method-assign]
         go.set()
+    gc.collect()
+    await async_wait_until(lambda: _segments("self") - before == set(), 10, "segments released")
+
+
+async def test_a_closed_planes_segment_is_handed_back_and_the_next_plane_takes_it() -> None:
+    # [Note: a segment handed back]: an elastic member's closed epoch hands
+    # its own segment, already faulted in, to the Spare; its next epoch
+    # after that takes the same memory and faults none of it in. A spare
+    # that holds HELD already does not keep it: it is unmapped.
+    nbytes = local.segment_bytes()
+    pages = nbytes // 4096
+    before = _segments("self")
+    spare = Spare()
+    first = local.LocalPlane(secrets.token_hex(8), spare)
+    inode = os.fstat(first.fd).st_ino
+    assert _faults_writing(first.segment) >= 0.9 * pages  # none was ready: a fresh one
+    await first.close()
+    assert len(spare._held) == 1
+    second = local.LocalPlane(secrets.token_hex(8), spare)
+    try:
+        assert os.fstat(second.fd).st_ino == inode
+        assert _faults_writing(second.segment) < 0.05 * pages
+        assert spare._held == []
+        spare.prepare(nbytes, count=2)
+        await async_wait_until(lambda: all(f.done() for f in spare._held), 10, "spares made")
+    finally:
+        await second.close()
+    assert len(spare._held) == 2
+    assert inode not in {os.fstat(f.result().fd).st_ino for f in spare._held}
+    await async_wait_until(lambda: inode not in _segments("self"), 10, "the third unmapped")
+    spare.close()
     gc.collect()
     await async_wait_until(lambda: _segments("self") - before == set(), 10, "segments released")
 

@@ -378,9 +378,14 @@ class ElasticBackend:
         spread over hosts, one a host, makes none: its next epoch is
         unlikely to have ranks on its host)."""
         current = self._current
-        if self._s.shm and (
-            current is None or current.data_path != "grpc" or current.world_size == 1
-        ):
+        if not self._s.shm:
+            return
+        if current is None:
+            # Also the one after: a joiner has no epoch's own segment to
+            # hand back (see [Note: a segment handed back] in segment.py),
+            # and its cores are free while it waits.
+            self._spare.prepare(segment_bytes(), count=2)
+        elif current.data_path != "grpc" or current.world_size == 1:
             self._spare.prepare(segment_bytes())
 
     def boundary(self, step: int) -> bool:

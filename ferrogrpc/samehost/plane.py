@@ -178,16 +178,16 @@ class LocalPlane:
         self.slots = SLOTS
         nbytes = self.slots * self.slot_bytes
         took = spare.take(nbytes) if spare is not None else None
-        mine = took or Segment(nbytes)
-        self.fd = mine.fd
-        self._map = mine.map
-        self.segment = mine.tensor
+        self._mine: Segment | None = took or Segment(nbytes)
+        self._spare = spare
+        self.fd = self._mine.fd
+        self.segment = self._mine.tensor
         self.links: dict[int, _Link] = {}
         self.me: Identity | None = None
         self.round = 0  # the global round counter: the same on every local rank
         self._failed: FerroGrpcError | None = None
         self._report: Callable[[pb.Abort], FerroGrpcError] | None = None
-        self._maps: list[mmap.mmap] = [self._map]
+        self._maps: list[mmap.mmap] = []  # the local peers' segments
         self._proof = nonce  # what this rank's hello presents (see connect())
         # Sequence numbers of collectives no rank will run here (forget()).
         self._forgotten: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -601,14 +601,20 @@ class LocalPlane:
         self._wake_w.close()
         self.segment = torch.empty(0, dtype=torch.uint8)
         maps, self._maps = self._maps, []
-        fd, self.fd = self.fd, -1
+        mine, self._mine = self._mine, None
+        self.fd = fd = -1
+        if mine is None:
+            return  # closed before
+        # An elastic backend's next epoch may take this rank's own segment
+        # (see [Note: a segment handed back] in segment.py).
+        if self._spare is None or not self._spare.give(mine):
+            maps.append(mine.map)
+            fd = mine.fd
         # [Note: unmapping in the background] Unmapping the segments (this
         # rank's and every local peer's, 32 MiB each) is kernel work of 3-17
         # ms on a 2-core VM, and an elastic group's change of epoch waits for
         # its slowest member's close. A thread does it, mostly without the
         # interpreter's lock; the memory goes a few milliseconds after close().
-        if not maps and fd < 0:
-            return  # closed before
         try:
             threading.Thread(
                 target=unmap, args=(maps, fd), name="ferrogrpc-unmap", daemon=True
