@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
 from torch import nn
@@ -26,6 +27,7 @@ import ferrogrpc as fg
 from ferrogrpc.control.membership import ElasticMembership, QuorumLostInRound
 from ferrogrpc.elastic.state import _messages, _stripes
 from ferrogrpc.v1 import rendezvous_pb2 as rpb
+from tests.helpers import async_wait_until
 
 from .helpers import RANKS, ROOT, Forked, free_port, spawn_rank
 
@@ -99,6 +101,9 @@ async def test_membership_admits_joiners_only_at_a_grow_and_fails_below_quorum()
     assert not joiner.done()
     beat = m.heartbeat(rpb.HeartbeatRequest(peer_id="a", epoch=1, rank=0, address="a:1"))
     assert beat.joiners_waiting == 1 and beat.member
+    # Where the joiner's next epoch listens: members connect to it ahead
+    # (see [Note: connecting ahead]).
+    assert list(beat.joiner_addresses) == ["j:1"]
     grow = [_enter(m, p, rpb.ENTER_GROW, 1) for p in ("a", "b")]
     answers = await asyncio.gather(joiner, *grow)
     assert _placed(answers) == [
@@ -109,7 +114,8 @@ async def test_membership_admits_joiners_only_at_a_grow_and_fails_below_quorum()
     # b and j go silent: the coordinator removes them, and one member
     # is below min_world_size 2: quorum lost, naming both.
     clock.now += 1.0
-    m.heartbeat(rpb.HeartbeatRequest(peer_id="a", epoch=2, rank=0, address="a:1"))
+    beat = m.heartbeat(rpb.HeartbeatRequest(peer_id="a", epoch=2, rank=0, address="a:1"))
+    assert list(beat.joiner_addresses) == []  # admitted: none waits
     clock.now += 1.5
     m.check_silence()
     assert m.round is None and m.epoch == 0  # the group is over
@@ -284,6 +290,62 @@ def test_a_spare_segment_is_made_where_the_next_epoch_may_share_the_host() -> No
         backend._spare = Spare()  # type: ignore[assignment]
         backend._prepare_spare()
         assert backend._spare.prepared == made, (shm, current and vars(current))
+
+
+@pytest.mark.timeout(30)
+async def test_members_connect_ahead_to_the_joiners_that_wait() -> None:
+    """[Note: connecting ahead]: a member opens a channel to each joiner its
+    heartbeat names, connected before any call; the next epoch's transport
+    takes it as lane 0's to that address, and closes those it did not take;
+    a channel to a joiner that no longer waits is closed."""
+    from types import SimpleNamespace
+
+    from ferrogrpc.elastic.backend import ElasticBackend
+    from ferrogrpc.runtime.join import Ahead
+    from ferrogrpc.samehost.segment import Spare
+    from ferrogrpc.transport.grpc_streams import GrpcTransport
+
+    servers, addresses = [], []
+    for _ in range(2):  # two joiners' servers, listening
+        server = grpc.aio.server()
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        await server.start()
+        servers.append(server)
+    member = GrpcTransport()
+    current = SimpleNamespace(peer=SimpleNamespace(_ctx=SimpleNamespace(transport=member)))
+    backend = ElasticBackend.__new__(ElasticBackend)
+    backend._loop = asyncio.get_running_loop()
+    backend._ahead = Ahead(Spare())
+    backend._closing = set()
+    backend._current = current  # type: ignore[assignment]
+    try:
+        backend._connect_ahead(current, addresses)  # type: ignore[arg-type]
+        first, second = (backend._ahead.channels[a] for a in addresses)
+        ready = grpc.ChannelConnectivity.READY
+        await async_wait_until(  # with no call made, nor a connection asked for since
+            lambda: first.get_state() is ready and second.get_state() is ready, 10, "connected"
+        )
+        backend._connect_ahead(current, addresses)  # type: ignore[arg-type]
+        assert backend._ahead.channels == {addresses[0]: first, addresses[1]: second}
+        backend._connect_ahead(current, addresses[:1])  # type: ignore[arg-type]
+        assert backend._ahead.channels == {addresses[0]: first}
+        await asyncio.gather(*backend._closing)
+        assert second.get_state() is grpc.ChannelConnectivity.SHUTDOWN
+
+        backend._connect_ahead(current, addresses)  # type: ignore[arg-type]
+        third = backend._ahead.channels[addresses[1]]
+        following = GrpcTransport(ahead=backend._ahead.take_channels())
+        following.connect(["127.0.0.1:1", addresses[0]])
+        assert backend._ahead.channels == {}
+        assert following._channel(1, 0) is first
+        assert following._channel(1, 1) is not first  # another lane: its own
+        await following.close()
+        for channel in (first, third):
+            assert channel.get_state() is grpc.ChannelConnectivity.SHUTDOWN
+    finally:
+        await member.close()
+        for server in servers:
+            await server.stop(None)
 
 
 # ------------------------------------------------------- refusals, at once

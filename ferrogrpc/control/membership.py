@@ -188,6 +188,7 @@ class ElasticMembership:
             joiners_waiting=len(self.joiners),
             member=self.is_member(peer),
             removed=removed,
+            joiner_addresses=[entry.address for entry in self.joiners.values()],
         )
 
     def _leave(self, peer: str) -> rpb.HeartbeatResponse:

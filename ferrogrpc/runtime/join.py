@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import secrets
 
+import grpc
+
 from ..algorithms.context import RankContext
 from ..algorithms.exchange_plan import SMALL_BYTES
 from ..algorithms.jobs import JobTable
@@ -42,6 +44,22 @@ def message_limit(policy: ChunkPolicy) -> int:
     prefix, before it is buffered."""
     largest = max(policy.resolve(2)[0], policy.resolve(3)[0], SMALL_BYTES)
     return largest + HEADER_ROOM
+
+
+@dataclasses.dataclass
+class Ahead:
+    """What an elastic backend prepares for its next epoch, which takes it:
+    a shared segment made ahead (see [Note: a segment made ahead] in
+    samehost/segment.py), and channels already connecting to the joiners
+    that epoch may admit, by address (see [Note: connecting ahead] in
+    transport/grpc_streams.py)."""
+
+    spare: Spare
+    channels: dict[str, grpc.aio.Channel] = dataclasses.field(default_factory=dict)
+
+    def take_channels(self) -> dict[str, grpc.aio.Channel]:
+        channels, self.channels = self.channels, {}
+        return channels
 
 
 @dataclasses.dataclass
@@ -103,11 +121,11 @@ async def join(
     bind_host: str,
     port: int,
     advertise_host: str | None,
-    spare: Spare | None = None,
+    ahead: Ahead | None = None,
 ) -> Parts:
-    """Bind, join the rendezvous and connect the host's shared memory (its
-    segment from ``spare`` if one is ready there). Releases whatever it
-    bound if anything fails (cancellation included)."""
+    """Bind, join the rendezvous and connect the host's shared memory, with
+    what ``ahead`` holds (a segment, channels) where it is ready. Releases
+    whatever it bound if anything fails (cancellation included)."""
     tune_for(s)
     if transport is None:
         transport = GrpcTransport(
@@ -117,6 +135,7 @@ async def join(
             tls=s.tls,
             token=s.token,
             window=s.grpc_window,
+            ahead=ahead.take_channels() if ahead is not None else None,
         )
     if rendezvous is None:
         r, w, addr, mport = s.merged(rank=rank, world_size=world_size).require_rendezvous()
@@ -133,7 +152,7 @@ async def join(
     mailboxes = Mailboxes()
     intake = Intake(mailboxes)
     nonce = secrets.token_hex(16)
-    plane = LocalPlane(nonce, spare) if s.shm else None
+    plane = LocalPlane(nonce, ahead.spare if ahead is not None else None) if s.shm else None
     try:
         address = await transport.start(intake)
         result = await rendezvous.exchange(

@@ -31,7 +31,6 @@ from ..observe import trace
 from ..observe.observer import Observer
 from ..ops import DTYPE_TO_WIRE, ReduceOp
 from ..options import ChunkPolicy, Timeouts, TLSConfig
-from ..samehost.segment import Spare
 from ..transport.grpc_streams import GrpcTransport
 from ..transport.integrity import Checksum
 from ..transport.streams import Transport
@@ -40,7 +39,7 @@ from . import validate
 from .call import Call
 from .direct_mesh import TcpMesh
 from .engine import Engine
-from .join import Parts, join
+from .join import Ahead, Parts, join
 from .placement import Placed, Placement
 from .refusal import CallChecks, group_count
 
@@ -173,7 +172,7 @@ class Peer:
         direct: bool | None = None,
         placement: Callable[[Identity], Placement] | None = None,
         settings: Settings | None = None,
-        spare: Spare | None = None,
+        ahead: Ahead | None = None,
     ) -> Peer:
         """Bind, join the rendezvous, connect, and return once every rank has.
 
@@ -192,8 +191,8 @@ class Peer:
         on; ``FERROGRPC_DIRECT=0`` turns it off) runs small collectives
         between ranks that share no memory on the TCP mesh (direct_mesh.py).
         ``placement`` builds how device tensors are staged (tests).
-        ``spare`` may hold a shared segment made ahead (an elastic backend's:
-        samehost/segment.py).
+        ``ahead`` holds what an elastic backend made ahead for this epoch
+        (join.py's Ahead: a shared segment, channels to joiners).
 
         Raises RendezvousError, or CollectiveTimeoutError if the ring does
         not form within the connect timeout; whatever was bound is released.
@@ -208,7 +207,7 @@ class Peer:
             direct=direct,
         )
         parts = await join(
-            s, rank, world_size, rendezvous, transport, bind_host, port, advertise_host, spare
+            s, rank, world_size, rendezvous, transport, bind_host, port, advertise_host, ahead
         )
         peer: Peer | None = None
         try:

@@ -61,6 +61,17 @@ TCP_CONNECT_S = 0.5
 # window, or "auto".
 FRAME_BYTES = 4 << 20
 
+# [Note: connecting ahead] A new epoch of an elastic group first sends its
+# joiners the group's state, each member to each joiner, over lane 0: a new
+# TCP connection and HTTP/2 handshake each (two round trips, three with
+# TLS), which the joiner's receipt waited for. The coordinator names the
+# joiners that wait in its heartbeat answers, and their next epoch's servers
+# already listen; so a member opens channels to them then
+# (:meth:`GrpcTransport.channel_ahead`), and its next epoch's transport takes
+# them (``ahead``). Options and credentials are the transport's own, so a
+# channel taken is the one it would have opened. Measured with
+# ``client.bench --elastic`` (see ElasticBackend._connect_ahead).
+
 # [Note: long-lived lanes] A collective's stream to a rank on a lane
 # (transport.open) travels on a long-lived Lane RPC to that rank, not an RPC
 # of its own: a new RPC per collective costs each side a call object, a task
@@ -324,7 +335,11 @@ class GrpcTransport(Transport):
         token: str | None = None,
         send_hook: SendHook | None = None,
         window: int | None = DEFAULT_GRPC_WINDOW,
+        ahead: dict[str, grpc.aio.Channel] | None = None,
     ) -> None:
+        """``ahead``: channels another transport opened with
+        :meth:`channel_ahead`, by address; this one takes them as lane 0's,
+        and closes those it did not take (see [Note: connecting ahead])."""
         super().__init__()
         self._window = window
         self._bind = bind
@@ -336,6 +351,7 @@ class GrpcTransport(Transport):
         self.send_hook = send_hook
         self._server: grpc.aio.Server | None = None
         self._channels: dict[tuple[int, int], grpc.aio.Channel] = {}
+        self._ahead = ahead if ahead is not None else {}
         # Idle long-lived lanes, by (rank, lane index); and every open one.
         self._idle: dict[tuple[int, int], list[_Lane]] = {}
         self._lanes: set[_Lane] = set()
@@ -482,10 +498,21 @@ class GrpcTransport(Transport):
         channel = self._channels.get(key)
         if channel is None:
             address = self.addresses[dst]
-            # A private subchannel pool gives every lane its own TCP connection.
-            options = [*self._options(), ("grpc.use_local_subchannel_pool", 1)]
-            channel = aio_channel(address, self._tls, options)
-            self._channels[key] = channel
+            channel = self._ahead.pop(address, None) if lane == 0 else None
+            channel = self._channels[key] = channel or self._new_channel(address)
+        return channel
+
+    def _new_channel(self, address: str) -> grpc.aio.Channel:
+        # A private subchannel pool gives every lane its own TCP connection.
+        options = [*self._options(), ("grpc.use_local_subchannel_pool", 1)]
+        return aio_channel(address, self._tls, options)
+
+    def channel_ahead(self, address: str) -> grpc.aio.Channel:
+        """A channel to ``address``, as this transport would open one, that
+        starts connecting now: for a later transport's ``ahead`` (see
+        [Note: connecting ahead])."""
+        channel = self._new_channel(address)
+        channel.get_state(try_to_connect=True)
         return channel
 
     async def open(self, dst: int, lane: int) -> OutStream:
@@ -596,8 +623,9 @@ class GrpcTransport(Transport):
         lanes, self._lanes, self._idle = self._lanes, set(), {}
         if lanes:
             await asyncio.gather(*(lane.end(LANE_END_S) for lane in lanes))
-        channels = list(self._channels.values())
+        channels = [*self._channels.values(), *self._ahead.values()]
         self._channels.clear()
+        self._ahead.clear()
         for channel in channels:
             await channel.close(None)
         if self._server is not None:

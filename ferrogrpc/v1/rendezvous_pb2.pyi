@@ -76,18 +76,20 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., run_id: _Optional[str] = ..., collective: _Optional[str] = ..., seq: _Optional[int] = ..., leaving: _Optional[bool] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., world_size: _Optional[int] = ..., address: _Optional[str] = ..., nonce: _Optional[str] = ..., host: _Optional[str] = ..., min_world_size: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("epoch", "recover_pending", "joiners_waiting", "member", "removed")
+    __slots__ = ("epoch", "recover_pending", "joiners_waiting", "member", "removed", "joiner_addresses")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RECOVER_PENDING_FIELD_NUMBER: _ClassVar[int]
     JOINERS_WAITING_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
+    JOINER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     recover_pending: bool
     joiners_waiting: int
     member: bool
     removed: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, epoch: _Optional[int] = ..., recover_pending: _Optional[bool] = ..., joiners_waiting: _Optional[int] = ..., member: _Optional[bool] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
+    joiner_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, epoch: _Optional[int] = ..., recover_pending: _Optional[bool] = ..., joiners_waiting: _Optional[int] = ..., member: _Optional[bool] = ..., removed: _Optional[_Iterable[int]] = ..., joiner_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EnterRequest(_message.Message):
     __slots__ = ("peer_id", "address", "nonce", "host", "epoch", "reason", "lost", "min_world_size")
