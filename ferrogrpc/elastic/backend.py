@@ -562,8 +562,11 @@ class ElasticBackend:
         """On the loop: open channels to the joiners that wait, at
         ``addresses``, for the epoch that admits them (see [Note: connecting
         ahead] in transport/grpc_streams.py); close those to joiners that
-        no longer wait. Measured with ``client.bench --elastic`` at 100 MB
-        (three members): the joiner's first message came ..."""
+        no longer wait. Measured with ``client.bench --elastic`` at 100 MB,
+        three members on the 2-core VM: a member's first message to the
+        joiner left 0.9-8.7 ms after it began, against 5.7-14 ms; the
+        members' pause was 0.088-0.115 s against 0.086-0.138 (six runs
+        each, alternated)."""
         transport = current.peer._ctx.transport
         if current is not self._current or not isinstance(transport, GrpcTransport):
             return

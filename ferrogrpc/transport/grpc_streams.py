@@ -69,8 +69,9 @@ FRAME_BYTES = 4 << 20
 # already listen; so a member opens channels to them then
 # (:meth:`GrpcTransport.channel_ahead`), and its next epoch's transport takes
 # them (``ahead``). Options and credentials are the transport's own, so a
-# channel taken is the one it would have opened. Measured with
-# ``client.bench --elastic`` (see ElasticBackend._connect_ahead).
+# channel taken is the one it would have opened. Across hosts this saves
+# the handshakes' round trips; on one host, measured in
+# ElasticBackend._connect_ahead.
 
 # [Note: long-lived lanes] A collective's stream to a rank on a lane
 # (transport.open) travels on a long-lived Lane RPC to that rank, not an RPC
