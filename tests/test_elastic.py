@@ -258,8 +258,8 @@ def test_a_spare_segment_is_made_where_the_next_epoch_may_share_the_host() -> No
     ranks on its host, and a lone member (its next epoch admits a joiner,
     perhaps a process restarted beside it) have the next epoch's segment
     made ahead, a joiner the one after too (it has none to hand back); a
-    member of a group spread one rank a host does not, nor any process
-    with shared memory off."""
+    member of a group spread one rank a host does not, and drops what it
+    holds; nor does any process with shared memory off."""
     from ferrogrpc.elastic.backend import ElasticBackend
     from ferrogrpc.env import Settings
 
@@ -274,12 +274,15 @@ def test_a_spare_segment_is_made_where_the_next_epoch_may_share_the_host() -> No
         def prepare(self, nbytes: int, count: int = 1) -> None:
             self.prepared.append(count)
 
+        def drop(self) -> None:
+            self.prepared.append(0)
+
     cases = [
         (True, None, [2]),  # a joiner: its next epoch's and the one after
         (True, Current("shared memory", 3), [1]),
         (True, Current("two-level", 4), [1]),
         (True, Current("grpc", 1), [1]),  # a lone member
-        (True, Current("grpc", 3), []),  # one rank a host
+        (True, Current("grpc", 3), [0]),  # one rank a host: drops what it holds
         (False, None, []),
         (False, Current("shared memory", 3), []),
     ]

@@ -210,6 +210,10 @@ async def test_a_spare_segment_is_made_ahead_and_a_plane_takes_it() -> None:
         taken = spare.take(nbytes)
         assert taken is not None and len(spare._held) == 1
         taken.release()
+        spare.drop()  # released; the spare stays open
+        assert spare._held == []
+        spare.give(Segment(nbytes))
+        assert len(spare._held) == 1
         go.clear()
         spare.prepare(nbytes, count=2)  # one held, one being made
         spare.close()  # both released, the second once made

@@ -385,8 +385,8 @@ class ElasticBackend:
         share its host with members), on a member whose epoch has ranks on
         its host, and on a lone member, whose next epoch admits a joiner
         that may be a process restarted beside it (a member of a group
-        spread over hosts, one a host, makes none: its next epoch is
-        unlikely to have ranks on its host)."""
+        spread over hosts, one a host, makes none and holds none: its next
+        epoch is unlikely to have ranks on its host)."""
         current = self._current
         if not self._s.shm:
             return
@@ -397,6 +397,8 @@ class ElasticBackend:
             self._spare.prepare(segment_bytes(), count=2)
         elif current.data_path != "grpc" or current.world_size == 1:
             self._spare.prepare(segment_bytes())
+        else:  # none kept either (a joiner's second, one handed back)
+            self._spare.drop()
 
     def boundary(self, step: int) -> bool:
         """A step boundary, before ``step`` (``ElasticState.steps`` calls

@@ -13,9 +13,9 @@ thread, between its changes of epoch (:class:`Spare`), and its next epoch's
 plane takes it: a member whose epoch has ranks on its host makes one after
 each change, as does a lone member (its next epoch admits a joiner, often a
 process restarted beside it), and a joiner while it waits to be admitted.
-The price is one more segment's memory (32 MiB) while training, and a
-joiner that finds no member on its host holds its spare unused for its
-first epoch. Measured with ``client.bench --elastic`` at 100 MB (four runs
+The price is one more segment's memory (32 MiB) while training, two while
+a joiner waits; a process whose epoch has one rank a host holds none after
+its first step there. Measured with ``client.bench --elastic`` at 100 MB (four runs
 each, alternated, the joiner's heap warm in both: runtime/allocator.py):
 the members' pause at a join was 0.105-0.127 s instead of 0.131-0.141.
 The making cost 7.5-11 ms of CPU for 32 MiB on an idle core, and 16-52 ms
@@ -178,11 +178,16 @@ class Spare:
                 return segment
             segment.release()
 
+    def drop(self) -> None:
+        """Release every held segment, now or once it is made."""
+        with self._lock:
+            held, self._held = self._held, []
+        for future in held:
+            future.add_done_callback(_release)
+
     def close(self) -> None:
         """Release every held segment, now or once it is made; hold nothing
         more."""
         with self._lock:
             self._closed = True
-            held, self._held = self._held, []
-        for future in held:
-            future.add_done_callback(_release)
+        self.drop()
