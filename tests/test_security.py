@@ -27,7 +27,12 @@ import ferrogrpc as fg
 from ferrogrpc.env import Settings
 from ferrogrpc.testing import Fault, FaultKind
 from ferrogrpc.transport import integrity, wire
-from ferrogrpc.transport.grpc_streams import ABORT_METHOD, SEND_METHOD, TOKEN_METADATA_KEY
+from ferrogrpc.transport.grpc_streams import (
+    ABORT_METHOD,
+    SEND_METHOD,
+    TOKEN_METADATA_KEY,
+    GrpcTransport,
+)
 from ferrogrpc.v1 import collective_pb2 as pb
 from tests.helpers import async_wait_until, backends, free_port, on_ranks, outsider_send
 
@@ -512,6 +517,25 @@ async def test_mutual_tls(tmp_path: object) -> None:
                 await call.done_writing()
                 await call
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_channel_opened_ahead_completes_the_tls_handshake_before_any_call(
+    tmp_path: object,
+) -> None:
+    # [Note: connecting ahead]: an elastic member's channel to a waiting
+    # joiner is made with its transport's own credentials, and connects
+    # (the TLS handshake included) before the epoch that admits the joiner
+    # sends a byte: no call is made here, nor a connection asked for after.
+    good, _ = _certificates(str(tmp_path))
+    async with fg.testing.local_group(2, tls=good, timeouts=FAST) as peers:
+        ours = GrpcTransport(tls=good)
+        channel = ours.channel_ahead(peers[1].address)
+        try:
+            ready = grpc.ChannelConnectivity.READY
+            await async_wait_until(lambda: channel.get_state() is ready, 10, "connected")
+        finally:
+            await channel.close(None)
+            await ours.close()
 
 
 def _write_tls(config: fg.TLSConfig, folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
