@@ -351,6 +351,49 @@ async def test_members_connect_ahead_to_the_joiners_that_wait() -> None:
             await server.stop(None)
 
 
+@pytest.mark.timeout(30)
+async def test_the_next_epoch_forms_while_the_last_one_closes() -> None:
+    """An elastic member enters the next epoch while its last peer still
+    closes (Ahead.closing): its rendezvous does not wait for that close,
+    and the new peer is built only once the close is done."""
+    from ferrogrpc.control.rendezvous import RendezvousResult
+    from ferrogrpc.env import Settings
+    from ferrogrpc.runtime.join import Ahead
+    from ferrogrpc.runtime.peer import Peer
+    from ferrogrpc.samehost.segment import Spare
+
+    loop = asyncio.get_running_loop()
+    closing: asyncio.Future[None] = loop.create_future()
+    seen: list[str] = []
+
+    class Rendezvous:
+        async def exchange(self, rank: Any, world: Any, address: str, nonce: str, host: str = ""):  # type: ignore[no-untyped-def]
+            seen.append("exchange, closed" if closing.done() else "exchange, closing")
+            loop.call_later(0.05, lambda: (seen.append("closed"), closing.set_result(None)))
+            return RendezvousResult(0, 1, [address], [nonce])
+
+        def start_heartbeats(self, activity: Any) -> None:
+            pass
+
+        async def close(self) -> None:
+            pass
+
+    ahead = Ahead(Spare(), closing=closing)
+    peer = await Peer.start(
+        None, None, rendezvous=Rendezvous(), settings=Settings.from_env({}), ahead=ahead
+    )
+    try:
+        assert seen == ["exchange, closing", "closed"] and ahead.closing is None
+    finally:
+        await peer.close()
+        ahead.spare.close()
+
+    failed: asyncio.Future[None] = loop.create_future()
+    failed.set_exception(RuntimeError("the close failed"))
+    with pytest.raises(RuntimeError, match="the close failed"):
+        await Ahead(Spare(), closing=failed).last_closed()
+
+
 # ------------------------------------------------------- refusals, at once
 
 

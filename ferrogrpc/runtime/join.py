@@ -10,6 +10,7 @@ built from these parts (peer.py).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import secrets
 
@@ -56,10 +57,21 @@ class Ahead:
 
     spare: Spare
     channels: dict[str, grpc.aio.Channel] = dataclasses.field(default_factory=dict)
+    # The last epoch's peer, closing while this one forms: awaited once the
+    # rendezvous is done, before anything of this epoch that the last one's
+    # close must precede (its observer's metrics place).
+    closing: asyncio.Future[None] | None = None
 
     def take_channels(self) -> dict[str, grpc.aio.Channel]:
         channels, self.channels = self.channels, {}
         return channels
+
+    async def last_closed(self) -> None:
+        """Wait for the last epoch's peer to be closed (raises what its
+        close raised)."""
+        closing, self.closing = self.closing, None
+        if closing is not None:
+            await closing
 
 
 @dataclasses.dataclass
@@ -158,6 +170,8 @@ async def join(
         result = await rendezvous.exchange(
             rank, world_size, address, nonce, host_key(plane is not None)
         )
+        if ahead is not None:
+            await ahead.last_closed()
         me = Identity(result.rank, result.world_size, list(result.addresses))
         # What proves a rank from here on: derived from the token, so that the
         # nonces the rendezvous published are not enough.
