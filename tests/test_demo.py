@@ -43,3 +43,31 @@ def test_demo_trains_checks_equivalence_and_counts_the_bytes_it_moved(tmp_path: 
         assert float(row.group(4)) > 0, f"{mode}: no bytes moved\n{out}"
         assert row.group(6) == "yes" and row.group(8) == "yes", out
     assert png.stat().st_size > 10_000
+
+
+@pytest.mark.timeout(120)
+def test_the_elastic_demo_loses_a_rank_admits_a_replacement_and_matches_one_process(
+    tmp_path: Path,
+) -> None:
+    # ``ferrogrpc demo --elastic`` (issue 30): a rank SIGKILLed mid-run, a
+    # replacement started; every step kept, the members identical at every
+    # step, the losses equal to single-process training's within 1e-6.
+    png = tmp_path / "elastic.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferrogrpc.cli", "demo", "--elastic", "--plot", str(png)],
+        env=clean_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "ferrogrpc demo --elastic: check PASSED" in out, out
+    kept = re.search(r"^steps kept\s+(\d+) of (\d+)$", out, re.MULTILINE)
+    assert kept is not None and kept.group(1) == kept.group(2), out
+    assert re.search(r"^world size \(start, after kill, end\)\s+4, 3, 4$", out, re.MULTILINE), out
+    assert re.search(r"^members identical every step\s+yes$", out, re.MULTILINE), out
+    diff = re.search(r"^max \|loss diff\| vs single process\s+(\S+)", out, re.MULTILINE)
+    assert diff is not None and float(diff.group(1)) <= 1e-6, out
+    assert png.stat().st_size > 10_000
