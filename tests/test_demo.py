@@ -14,19 +14,25 @@ import pytest
 from tests.helpers import clean_env
 
 
-@pytest.mark.timeout(120)
-def test_demo_trains_checks_equivalence_and_counts_the_bytes_it_moved(tmp_path: Path) -> None:
-    png = tmp_path / "loss.png"
+def _demo(cwd: Path, *args: str) -> str:
+    """``ferrogrpc demo ARGS`` run in ``cwd``: its output, once it exited 0."""
     proc = subprocess.run(
-        [sys.executable, "-m", "ferrogrpc.cli", "demo", "--steps", "20", "--plot", str(png)],
+        [sys.executable, "-m", "ferrogrpc.cli", "demo", *args],
         env=clean_env(),
-        cwd=tmp_path,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=110,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_demo_trains_checks_equivalence_and_counts_the_bytes_it_moved(tmp_path: Path) -> None:
+    png = tmp_path / "loss.png"
+    out = _demo(tmp_path, "--steps", "20", "--plot", str(png))
     assert "ferrogrpc demo: equivalence check PASSED" in out, out
     rows = {
         m.group(1): m
@@ -53,16 +59,7 @@ def test_the_elastic_demo_loses_a_rank_admits_a_replacement_and_matches_one_proc
     # replacement started; every step kept, the members identical at every
     # step, the losses equal to single-process training's within 1e-6.
     png = tmp_path / "elastic.png"
-    proc = subprocess.run(
-        [sys.executable, "-m", "ferrogrpc.cli", "demo", "--elastic", "--plot", str(png)],
-        env=clean_env(),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    out = _demo(tmp_path, "--elastic", "--plot", str(png))
     assert "ferrogrpc demo --elastic: check PASSED" in out, out
     kept = re.search(r"^steps kept\s+(\d+) of (\d+)$", out, re.MULTILINE)
     assert kept is not None and kept.group(1) == kept.group(2), out

@@ -15,9 +15,10 @@ each change, as does a lone member (its next epoch admits a joiner, often a
 process restarted beside it), and a joiner while it waits to be admitted.
 The price is one more segment's memory (32 MiB) while training, two while
 a joiner waits; a process whose epoch has one rank a host holds none after
-its first step there. Measured with ``client.bench --elastic`` at 100 MB (four runs
-each, alternated, the joiner's heap warm in both: runtime/allocator.py):
-the members' pause at a join was 0.105-0.127 s instead of 0.131-0.141.
+its first step there. Measured with ``client.bench --elastic`` at 100 MB
+(four runs each, alternated, the joiner's heap warm in both:
+runtime/allocator.py): the members' pause at a join was 0.105-0.127 s
+instead of 0.131-0.141.
 The making cost 7.5-11 ms of CPU for 32 MiB on an idle core, and 16-52 ms
 in each process of a 3-rank group at 400 MB whose joiner had just arrived
 (2 cores), when every process made its next spare in the first step after
