@@ -84,7 +84,7 @@ CHECKSUM_CRC32C: ChecksumKind
 CHECKSUM_CRC32: ChecksumKind
 
 class Descriptor(_message.Message):
-    __slots__ = ("kind", "dtype", "numel", "reduce_op", "root", "world_size", "lanes", "chunk_elems", "checksum", "wire_dtype", "protocol")
+    __slots__ = ("kind", "dtype", "numel", "reduce_op", "root", "world_size", "lanes", "chunk_elems", "checksum", "wire_dtype", "protocol", "stamp")
     KIND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class Descriptor(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    STAMP_FIELD_NUMBER: _ClassVar[int]
     kind: CollectiveKind
     dtype: DType
     numel: int
@@ -107,7 +108,8 @@ class Descriptor(_message.Message):
     checksum: ChecksumKind
     wire_dtype: DType
     protocol: int
-    def __init__(self, kind: _Optional[_Union[CollectiveKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., root: _Optional[int] = ..., world_size: _Optional[int] = ..., lanes: _Optional[int] = ..., chunk_elems: _Optional[int] = ..., checksum: _Optional[_Union[ChecksumKind, str]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., protocol: _Optional[int] = ...) -> None: ...
+    stamp: int
+    def __init__(self, kind: _Optional[_Union[CollectiveKind, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., root: _Optional[int] = ..., world_size: _Optional[int] = ..., lanes: _Optional[int] = ..., chunk_elems: _Optional[int] = ..., checksum: _Optional[_Union[ChecksumKind, str]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., protocol: _Optional[int] = ..., stamp: _Optional[int] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
     __slots__ = ("group", "seq", "kind", "step", "src_rank", "chunk_index", "lane", "offset", "checksum", "has_checksum", "descriptor", "nonce", "abort", "end", "packed_top")

@@ -48,7 +48,7 @@ class JoinResponse(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., run_id: _Optional[str] = ..., nonces: _Optional[_Iterable[str]] = ..., hosts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("rank", "run_id", "collective", "seq", "leaving", "peer_id", "epoch", "world_size", "address", "nonce", "host", "min_world_size")
+    __slots__ = ("rank", "run_id", "collective", "seq", "leaving", "peer_id", "epoch", "world_size", "address", "nonce", "host", "min_world_size", "committed")
     RANK_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class HeartbeatRequest(_message.Message):
     NONCE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     MIN_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
     rank: int
     run_id: str
     collective: str
@@ -73,7 +74,8 @@ class HeartbeatRequest(_message.Message):
     nonce: str
     host: str
     min_world_size: int
-    def __init__(self, rank: _Optional[int] = ..., run_id: _Optional[str] = ..., collective: _Optional[str] = ..., seq: _Optional[int] = ..., leaving: _Optional[bool] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., world_size: _Optional[int] = ..., address: _Optional[str] = ..., nonce: _Optional[str] = ..., host: _Optional[str] = ..., min_world_size: _Optional[int] = ...) -> None: ...
+    committed: int
+    def __init__(self, rank: _Optional[int] = ..., run_id: _Optional[str] = ..., collective: _Optional[str] = ..., seq: _Optional[int] = ..., leaving: _Optional[bool] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., world_size: _Optional[int] = ..., address: _Optional[str] = ..., nonce: _Optional[str] = ..., host: _Optional[str] = ..., min_world_size: _Optional[int] = ..., committed: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("epoch", "recover_pending", "joiners_waiting", "member", "removed", "joiner_addresses")
