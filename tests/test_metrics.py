@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -31,7 +35,19 @@ from ferrogrpc.env import Settings
 from ferrogrpc.observe import metrics
 from ferrogrpc.runtime.peer import Peer, observer_of
 from ferrogrpc.testing import Fault, FaultKind, local_group
-from tests.helpers import backends, free_port, on_ranks, rank_env, spawn_rank, wait_until
+from tests.helpers import (
+    RANKS,
+    SUBNET,
+    backends,
+    clean_env,
+    free_port,
+    ip,
+    namespaces,
+    on_ranks,
+    rank_env,
+    spawn_rank,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -330,3 +346,118 @@ def test_ddp_bucket_waits_are_timed_once_per_bucket_per_step() -> None:
         waited = value(d, "ferrogrpc_ddp_bucket_wait_seconds_sum", rank=r)
         assert 0 < waited < took[r]
     assert metrics.servers() == []
+
+
+# GETs each URL given; prints {url: "metrics" (a ferrogrpc exposition) or
+# the error's class}.
+_HTTP_PROBE = """
+import json, sys, urllib.request
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+out = {}
+for url in sys.argv[1:]:
+    try:
+        with opener.open(url, timeout=3) as r:
+            body = r.read().decode()
+        out[url] = "metrics" if "ferrogrpc_world_size" in body else "other"
+    except Exception as exc:
+        reason = getattr(exc, "reason", exc)
+        out[url] = type(reason).__name__
+print(json.dumps(out))
+"""
+
+
+def _http_probe(namespace: str, urls: list[str]) -> dict[str, str]:
+    proc = subprocess.run(
+        ["ip", "netns", "exec", namespace, sys.executable, "-c", _HTTP_PROBE, *urls],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)  # type: ignore[no-any-return]
+
+
+@pytest.mark.timeout(120)
+def test_metrics_listen_on_the_peers_bind_host_seen_from_another_host() -> None:
+    # SECURITY.md: metrics listen on the peer's bind host. A rank in the
+    # namespace "host" (addresses HOST and SECOND), probed from "outsider".
+    assert os.geteuid() == 0, "needs root for ip netns (CI runs as root)"
+    host, second = f"{SUBNET}.10", f"{SUBNET}.20"
+    cases = {
+        # A single-machine job binds loopback: so must its metrics.
+        "loopback job": {"MASTER_ADDR": "127.0.0.1"},
+        # A multi-host job binds every interface, and Prometheus scrapes it.
+        "network job": {"MASTER_ADDR": host},
+        # A bind host named: only that address.
+        "FERROGRPC_BIND_HOST": {"MASTER_ADDR": host, "FERROGRPC_BIND_HOST": second},
+    }
+    with namespaces(["host", "outsider"]) as ns:
+        device = next(
+            line.split(":")[1].strip().split("@")[0]
+            for line in ip("-n", ns["host"], "-o", "link", "show").stdout.splitlines()
+            if ": lo:" not in line
+        )
+        ip("-n", ns["host"], "addr", "add", f"{second}/24", "dev", device)
+        # A fresh namespace: every port is free in it.
+        ports = {case: free_port() for case in cases}
+        procs: dict[str, subprocess.Popen[str]] = {}
+        try:
+            for case, env in cases.items():
+                procs[case] = subprocess.Popen(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        ns["host"],
+                        sys.executable,
+                        str(RANKS / "bind_probe.py"),
+                    ],
+                    env=dict(
+                        clean_env(),
+                        RANK="0",
+                        WORLD_SIZE="1",
+                        MASTER_PORT=str(free_port()),
+                        FERROGRPC_METRICS_PORT=str(ports[case]),
+                        **env,
+                    ),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            for case, proc in procs.items():
+                assert proc.stdout is not None
+                seen: list[str] = []
+                for line in proc.stdout:  # blocks until the peer is up, or gone
+                    seen.append(line)
+                    if line.startswith("LISTENING "):
+                        break
+                else:
+                    raise AssertionError((case, "".join(seen)))
+            urls = {
+                case: [f"http://{a}:{port}/metrics" for a in (host, second, "127.0.0.1")]
+                for case, port in ports.items()
+            }
+            outside = _http_probe(ns["outsider"], [u for us in urls.values() for u in us[:2]])
+            inside = _http_probe(ns["host"], [u for us in urls.values() for u in us])
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    assert proc.stdin is not None
+                    proc.stdin.write("done\n")
+                    proc.stdin.flush()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    seen_from = {
+        case: (outside[us[0]], outside[us[1]], inside[us[1]], inside[us[2]])
+        for case, us in urls.items()
+    }
+    print("outsider -> host, second; host -> second, loopback:", seen_from)
+    refused = "ConnectionRefusedError"
+    # Reachable on the machine's loopback only: never from another host.
+    assert seen_from["loopback job"] == (refused, refused, refused, "metrics"), seen_from
+    assert seen_from["network job"] == ("metrics",) * 4, seen_from
+    # Only on the address named.
+    assert seen_from["FERROGRPC_BIND_HOST"] == (refused, "metrics", "metrics", refused), seen_from

@@ -323,7 +323,9 @@ def attach(observer: Observer, settings: Settings, local_index: int = 0) -> Metr
     A process that already serves on that port adds the rank to it (ranks
     in one process; the next epoch of an elastic member takes over the
     last one's place, whatever its new rank). Binds ``settings.bind_host``,
-    else every interface: plain HTTP, no token (SECURITY.md).
+    the host the rank's gRPC server binds (``Peer.start`` resolves it:
+    loopback for a single-machine job), else loopback: plain HTTP, no
+    token (SECURITY.md).
     """
     requested = settings.metrics_port
     if requested is None:
@@ -334,7 +336,7 @@ def attach(observer: Observer, settings: Settings, local_index: int = 0) -> Metr
         if slot is not None:
             slot.take_over(me, observer.stats)
         if server is None:
-            host = settings.bind_host or "0.0.0.0"
+            host = settings.bind_host or "127.0.0.1"
             try:
                 server = MetricsServer(requested, host, local_index)
             except OSError as exc:

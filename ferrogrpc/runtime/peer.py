@@ -205,6 +205,9 @@ class Peer:
             token=token,
             shm=shm,
             direct=direct,
+            # What the rank binds, resolved: its metrics server binds the same
+            # host (SECURITY.md "What listens, and where").
+            bind_host=bind_host,
         )
         parts = await join(
             s, rank, world_size, rendezvous, transport, bind_host, port, advertise_host, ahead
