@@ -158,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         return _status(ns.target)
     if ns.command == "diagnose":
         return _diagnose(ns.directory, as_json=ns.json)
+    if ns.nproc < 1:
+        # One line, as argparse's own errors end: no traceback from launch().
+        print(f"ferrogrpc launch: --nproc must be 1 or more, got {ns.nproc}", file=sys.stderr)
+        return 2
     from .control.launch import launch
 
     argv_ranks = [sys.executable, *(["-m"] if ns.module else []), ns.script, *ns.args]

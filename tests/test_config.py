@@ -149,3 +149,62 @@ def test_ferrogrpc_timeout_is_the_collective_deadline(monkeypatch: pytest.Monkey
             b.close()
     assert "2s collective deadline" in str(info.value), info.value
     assert 1.5 < elapsed < 10, elapsed
+
+
+def _timeout_marks() -> dict[str, float]:
+    """Every ``pytest.mark.timeout(...)`` of the test modules, evaluated
+    against its module's constants, by where it stands."""
+    import ast
+
+    from tests.helpers import ROOT
+
+    found: dict[str, float] = {}
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        source = path.read_text()
+        constants: dict[str, object] = {}
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target = node.targets[0]
+                if isinstance(target, ast.Name):
+                    try:
+                        constants[target.id] = eval(  # a constant expression of the module
+                            compile(ast.Expression(node.value), str(path), "eval"),
+                            {"__builtins__": {}},
+                            dict(constants),
+                        )
+                    except Exception:
+                        continue
+        for call in ast.walk(ast.parse(source)):
+            if (
+                isinstance(call, ast.Call)
+                and isinstance(call.func, ast.Attribute)
+                and call.func.attr == "timeout"
+                and isinstance(call.func.value, ast.Attribute)
+                and call.func.value.attr == "mark"
+            ):
+                value = compile(ast.Expression(call.args[0]), str(path), "eval")
+                found[f"{path.name}:{call.lineno}"] = float(
+                    eval(value, {"__builtins__": {}}, dict(constants))
+                )
+    return found
+
+
+def test_faulthandler_never_dumps_in_a_green_run() -> None:
+    # pytest's faulthandler_timeout dumps every thread's stack once a test
+    # has run that long, passing or not: below a test's own timeout it
+    # printed a dump in the middle of a green run (the compose tests run
+    # for minutes). It must lie above every test's timeout; pytest-timeout
+    # dumps the stacks of a test that runs into its own.
+    import tomllib
+
+    from tests.helpers import ROOT
+
+    options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]
+    ini = options["ini_options"]
+    marks = _timeout_marks()
+    assert len(marks) > 100, marks  # the marks were found
+    longest = max([float(ini["timeout"]), *marks.values()])
+    assert float(ini["faulthandler_timeout"]) > longest, (
+        f"faulthandler_timeout {ini['faulthandler_timeout']} is not above the longest test "
+        f"timeout, {longest:g}s ({[w for w, t in marks.items() if t == longest]})"
+    )

@@ -178,3 +178,47 @@ def test_free_ports_lie_below_the_ephemeral_range_and_bind() -> None:
     for port in list(ports)[:5]:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
+
+
+# Small edges a new user hits first (issue 55, item 21).
+
+
+@pytest.mark.timeout(60)
+def test_health_help_is_help_not_an_address() -> None:
+    proc = subprocess.run(
+        [*CLI, "health", "--help"], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=50
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("usage: ferrogrpc health"), proc.stdout
+    assert "--help:" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_launch_nproc_0_is_a_one_line_error() -> None:
+    proc = subprocess.run(
+        [*CLI, "launch", "--nproc", "0", str(RANKS / "fail_rank.py")],
+        env=ENV,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == "ferrogrpc launch: --nproc must be 1 or more, got 0", proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_coordinator_help_explains_every_option_and_elastic_means_elastic() -> None:
+    from ferrogrpc.control.serve import build_parser
+
+    parser = build_parser()
+    unexplained = [a.option_strings for a in parser._actions if not a.help]
+    assert not unexplained, f"options without help text: {unexplained}"
+    # Sizing a group by who joins (--world-size 0) is not an elastic group
+    # (FERROGRPC_ELASTIC=1): the help says "elastic" only of the latter.
+    text = parser.format_help()
+    assert "elastic mode" not in text and "elastic round" not in text, text
+    min_ranks = next(a for a in parser._actions if "--min-ranks" in a.option_strings)
+    assert "--world-size 0" in str(min_ranks.help), min_ranks.help
+    readme = (ROOT / "README.md").read_text()
+    assert "elastic sizing" not in readme and "elastic round" not in readme

@@ -5,6 +5,7 @@ the coordinator expects them, and imports no torch."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import grpc
@@ -16,8 +17,19 @@ from ..transport.auth import sync_channel, token_metadata
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    target = args[0] if args else "127.0.0.1:29400"
+    parser = argparse.ArgumentParser(
+        prog="ferrogrpc health",
+        description="Exit 0 if the coordinator at HOST:PORT answers grpc.health.v1 SERVING "
+        "(it presents FERROGRPC_TOKEN and FERROGRPC_TLS_*).",
+    )
+    parser.add_argument(
+        "target",
+        metavar="HOST:PORT",
+        nargs="?",
+        default="127.0.0.1:29400",
+        help="the coordinator (default 127.0.0.1:29400)",
+    )
+    target: str = parser.parse_args(argv).target
     try:
         settings = Settings.from_env()
     except ConfigError as exc:

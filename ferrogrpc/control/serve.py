@@ -1,10 +1,10 @@
-"""``ferrogrpc coordinator`` (and ``python -m server``): run the rendezvous
-coordinator as a program, ``--world-size N --port P``.
+"""``ferrogrpc coordinator``: run the rendezvous coordinator as a program,
+``--world-size N --port P``.
 
 It honours ``FERROGRPC_TOKEN`` and ``FERROGRPC_TLS_*`` as peers do (every
 call must carry the token; every connection is mutual TLS), and
-``FERROGRPC_MAX_RANKS`` (the most ranks an elastic round takes). It imports
-no torch.
+``FERROGRPC_MAX_RANKS`` (the most ranks a round sized by who joins, or an
+elastic epoch, takes). It imports no torch.
 """
 
 from __future__ import annotations
@@ -126,7 +126,8 @@ async def serve(
     await coordinator.stop(grace=2.0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """``ferrogrpc coordinator``'s arguments."""
     parser = argparse.ArgumentParser(prog="ferrogrpc coordinator", description=__doc__)
     parser.add_argument(
         "--world-size",
@@ -135,10 +136,23 @@ def main(argv: list[str] | None = None) -> int:
         help="ranks to wait for; 0: release whoever joined once --join-window passes "
         "without a new peer (at least --min-ranks)",
     )
-    parser.add_argument("--min-ranks", type=int, default=1)
-    parser.add_argument("--join-window", type=float, default=5.0, help="seconds (elastic mode)")
+    parser.add_argument(
+        "--min-ranks",
+        type=int,
+        default=1,
+        help="with --world-size 0, the fewest ranks released together; an elastic group "
+        "(FERROGRPC_ELASTIC=1) forms its first epoch with at least this many and never "
+        "goes on with fewer (default 1)",
+    )
+    parser.add_argument(
+        "--join-window",
+        type=float,
+        default=5.0,
+        help="with --world-size 0, the seconds without a new rank after which those that "
+        "joined are released; an elastic group's first epoch forms after it too (default 5)",
+    )
     parser.add_argument("--host", default="0.0.0.0", help="bind address (default 0.0.0.0)")
-    parser.add_argument("--port", type=int, default=29400)
+    parser.add_argument("--port", type=int, default=29400, help="(default 29400)")
     parser.add_argument(
         "--exit-when-done",
         action="store_true",
@@ -152,7 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         help="serve the group's Prometheus metrics on this port (0: an ephemeral one; default "
         "off); `ferrogrpc status` prints them",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         settings = Settings.from_env()
     except ConfigError as exc:
