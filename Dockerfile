@@ -1,4 +1,4 @@
-# The ferrogrpc image: the coordinator (python -m server) and the rank programs
+# The ferrogrpc image: the coordinator (ferrogrpc coordinator) and the rank programs
 # (python -m client.train) run from it, in /app; see docker-compose.yml and the README's
 # compose section (tests/test_compose.py builds and runs it on a Docker engine).
 #
@@ -39,14 +39,14 @@ COPY README.md ./
 COPY ferrogrpc ferrogrpc
 # --no-build-isolation: setuptools is already installed above, so building
 # the package needs no index; --no-deps: nor does installing it. Only the
-# library is installed: client/ and server/ are programs, not packages.
+# library is installed: client/ holds programs, not a package.
 RUN pip install -q --no-deps --no-build-isolation . && rm -rf /src/build
 
-# The programs' folder: `python -m server` and `python -m client.train` run
-# from it, and import the installed ferrogrpc (there is no ferrogrpc/ here).
+# The rank programs' folder: `python -m client.train` runs from it, and imports
+# the installed ferrogrpc (there is no ferrogrpc/ here). The coordinator and its
+# healthcheck are the installed `ferrogrpc coordinator` and `ferrogrpc health`.
 WORKDIR /app
 COPY client client
-COPY server server
 USER ferrogrpc
 
 # 29400: coordinator (gRPC rendezvous + grpc.health.v1); 29500: a rank's peer.

@@ -99,7 +99,7 @@ def init_backend(
             ``master_addr:master_port``, hosted by rank 0, or by torchrun's
             agent under ``TORCHELASTIC_USE_AGENT_STORE=True`` (every rank is
             then a client).
-        coordinator: ``"host:port"`` of a coordinator (``python -m server``;
+        coordinator: ``"host:port"`` of a coordinator (``ferrogrpc coordinator``;
             or ``FERROGRPC_COORDINATOR``), which assigns the rank and the
             world size instead: identical replicas need no RANK.
         timeouts: the connect, idle and collective timeouts
@@ -199,7 +199,7 @@ def _start_elastic(s: Settings) -> ElasticBackend:
     if not s.coordinator:
         raise ConfigError(
             "elastic=True needs a coordinator (coordinator='host:port' or "
-            "FERROGRPC_COORDINATOR; start one with `python -m server`): it is the "
+            "FERROGRPC_COORDINATOR; start one with `ferrogrpc coordinator`): it is the "
             "membership's authority, so that no rank is a single point of failure"
         )
     if s.min_world_size < 1:

@@ -1,5 +1,6 @@
-"""Run the ferrogrpc coordinator: ``python -m server --world-size N --port P``
-(the same program as ``ferrogrpc coordinator``; see its ``--help``)."""
+"""A checkout's ``python -m server --world-size N --port P``: the same program
+as ``ferrogrpc coordinator`` (which a pip install provides; the docs name that
+one), kept for the checkout's tests, benchmarks and demos."""
 
 from __future__ import annotations
 

@@ -222,3 +222,34 @@ def test_coordinator_help_explains_every_option_and_elastic_means_elastic() -> N
     assert "--world-size 0" in str(min_ranks.help), min_ranks.help
     readme = (ROOT / "README.md").read_text()
     assert "elastic sizing" not in readme and "elastic round" not in readme
+
+
+def test_no_doc_or_message_names_python_m_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `python -m server` runs only from a checkout (server/ is not installed):
+    # a pip user reads `ferrogrpc coordinator` and `ferrogrpc health`, in the
+    # docs, the compose file, and every string of the package.
+    import yaml
+
+    import ferrogrpc as fg
+
+    read = [
+        *ROOT.glob("*.md"),
+        *(ROOT / "docs").rglob("*.md"),
+        ROOT / "docker-compose.yml",
+        ROOT / "Dockerfile",
+        *(p for p in (ROOT / "ferrogrpc").rglob("*.py") if not p.name.endswith("_pb2.py")),
+    ]
+    hits = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in read
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "python -m server" in line
+    ]
+    assert not hits, "\n".join(hits)
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    assert services["coordinator"]["command"][:2] == ["ferrogrpc", "coordinator"]
+    assert services["coordinator"]["healthcheck"]["test"][1:3] == ["ferrogrpc", "health"]
+    # The error an elastic job without a coordinator raises says how to start one.
+    monkeypatch.delenv("FERROGRPC_COORDINATOR", raising=False)
+    with pytest.raises(fg.ConfigError, match="start one with `ferrogrpc coordinator`"):
+        fg.init_backend(elastic=True)

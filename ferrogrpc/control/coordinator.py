@@ -2,8 +2,8 @@
 releases them together once ``world_size`` have joined, serves the peer
 table and status, receives heartbeats, and answers ``grpc.health.v1``.
 
-:class:`Coordinator` is the service (run it with ``ferrogrpc coordinator`` or
-``python -m server``); :class:`CoordinatorRendezvous` is how a peer joins it.
+:class:`Coordinator` is the service (run it with ``ferrogrpc coordinator``);
+:class:`CoordinatorRendezvous` is how a peer joins it.
 
 With a token (``FERROGRPC_TOKEN``) every call without it is refused with
 UNAUTHENTICATED, and with ``FERROGRPC_TLS_*`` every connection is mutual

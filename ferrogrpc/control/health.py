@@ -1,4 +1,4 @@
-"""``ferrogrpc health HOST:PORT`` (and ``python -m server.health``): exit 0
+"""``ferrogrpc health HOST:PORT``: exit 0
 if the coordinator there answers grpc.health.v1 SERVING, for container
 healthchecks. It presents ``FERROGRPC_TOKEN`` and ``FERROGRPC_TLS_*`` as
 the coordinator expects them, and imports no torch."""
