@@ -9,7 +9,9 @@ ring pins no memory.
 When the rank breaks (any failure the failure policy declares: a dead or
 stalled peer, a deadline, corrupt data) and ``FERROGRPC_FLIGHT_DIR`` is set,
 the ring is written there as one JSON file (:meth:`FlightRecorder.dump`,
-written aside and renamed, so a reader never sees half a file): who this
+written aside and renamed, so a reader never sees half a file, and never
+through another user's link: see [Note: files in a shared directory] in
+files.py): who this
 rank is (rank, world size, every rank's address, host, pid), the error it
 broke with, and the entries, oldest first. The collectives still running at
 that moment show ``"running"``: they are what this rank was waiting in.
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FerroGrpcError, Identity
+from . import files
 
 # How many collectives each rank remembers: at a DDP step's handful of
 # collectives, the last hundred steps or more.
@@ -168,15 +171,14 @@ class FlightRecorder:
         a dump never adds a failure to the one being reported)."""
         if not self.directory:
             return None
+        me = self.identity
+        name = f"flight-rank{me.rank:05d}-pid{os.getpid()}-{next(_dumps)}.json"
+        path = Path(self.directory) / name
         try:
-            folder = Path(self.directory)
-            folder.mkdir(parents=True, exist_ok=True)
-            me = self.identity
-            name = f"flight-rank{me.rank:05d}-pid{os.getpid()}-{next(_dumps)}.json"
-            path = folder / name
-            tmp = folder / f".{name}.tmp"
-            tmp.write_text(json.dumps(self.snapshot(cause)))
-            os.replace(tmp, path)
+            text = json.dumps(self.snapshot(cause))
+            # files.UnsafeDirectoryError (a ValueError): another user's directory.
+            with files.directory(self.directory, "the flight directory") as folder:
+                files.write_new(folder, name, [text])
         except (OSError, TypeError, ValueError) as exc:
             logger.warning("rank %d: could not write its flight record: %s", me.rank, exc)
             return None

@@ -29,9 +29,10 @@ buckets makes about 50), and memory never holds more than a few thousand.
 
 The file itself, ``trace-rank00003-pid1234-0.json`` (rank, process, and
 which of the process's groups: an elastic process joins one group per
-epoch), is written (aside, then renamed) when the peer closes, when the rank
-breaks, and at interpreter exit, so a run that failed or was interrupted
-still leaves it; one killed outright (SIGKILL) leaves only the spool. Its
+epoch), is written (aside, then renamed: see [Note: files in a shared
+directory] in files.py) when the peer closes, when the rank breaks, and at
+interpreter exit, so a run that failed or was interrupted still leaves it;
+one killed outright (SIGKILL) leaves only the spool. Its
 ``otherData`` is the header: format, rank, world size, group (the digest
 the flight recorder uses), host, pid, the clock offset to rank 0 with its
 round trip (see [Note: clock offset] in clock.py), the event counts.
@@ -46,16 +47,18 @@ import itertools
 import json
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..errors import FerroGrpcError, Identity
+from ..errors import ConfigError, FerroGrpcError, Identity
 from ..transport.streams import Transport
+from . import files
 from .clock import SAME_CLOCK, ClockOffset, measure
 from .flight import Entry, group_digest
 from .observer import (
@@ -172,10 +175,16 @@ class TraceWriter:
     def __init__(self, identity: Identity, directory: str) -> None:
         self.identity = identity
         self.folder = Path(directory)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        # Every file of the trace is made and opened relative to this
+        # descriptor, checked once (files.py).
+        try:
+            self._dir_fd = files.open_directory(self.folder, "the trace directory")
+        except files.UnsafeDirectoryError as exc:
+            raise ConfigError(str(exc)) from None
         name = f"trace-rank{identity.rank:05d}-pid{os.getpid()}-{next(_files)}.json"
         self.path = self.folder / name
-        self._spool_stem = f".{name}.spool"
+        # A name no other user can guess, to plant something there first.
+        self._spool_stem = f".{name}.{secrets.token_hex(8)}.spool"
         # The clock offset to rank 0: rank 0's is nil; the others' are set
         # once measured (measure_clock).
         self.clock: ClockOffset | None = SAME_CLOCK if identity.rank == 0 else None
@@ -185,7 +194,8 @@ class TraceWriter:
         self.writing: threading.Thread | None = None
         self._buffer: list[str] = []
         self._meta: list[str] = []
-        self._segments: collections.deque[tuple[Path, int]] = collections.deque()
+        # The spool's segments: (name in the folder, events written to it).
+        self._segments: collections.deque[tuple[str, int]] = collections.deque()
         self._segment_ids = itertools.count()
         self._lanes: dict[str, _Lanes] = {}
         self.events = 0
@@ -249,6 +259,10 @@ class TraceWriter:
         more events."""
         self._write(final=complete)
         _live.discard(self)
+        with self._file_lock:  # a write after this one finds the writer closed
+            fd, self._dir_fd = self._dir_fd, -1
+            if fd >= 0:
+                os.close(fd)
 
     # ------------------------------------------------------------ the events
 
@@ -297,25 +311,29 @@ class TraceWriter:
         if not self._buffer:
             return
         if not self._segments or self._segments[-1][1] >= SEGMENT_EVENTS:
-            path = self.folder / f"{self._spool_stem}{next(self._segment_ids)}"
-            self._segments.append((path, 0))
+            self._segments.append((f"{self._spool_stem}{next(self._segment_ids)}", 0))
             if len(self._segments) > 2:
                 old, count = self._segments.popleft()
                 self.dropped += count
                 self.events -= count
                 with contextlib.suppress(OSError):
-                    old.unlink()
-        path, count = self._segments[-1]
+                    files.unlink(self._dir_fd, old)
+        name, count = self._segments[-1]
+        # A segment's file exists once something was written to it.
+        new = count == 0
         try:
-            with path.open("a") as f:
+            with files.open_append(self._dir_fd, name, new=new) as f:
                 f.write("\n".join(self._buffer))
                 f.write("\n")
         except OSError as exc:
             logger.warning("rank %d: could not spool its trace: %s", self.identity.rank, exc)
             self.dropped += len(self._buffer)
             self.events -= len(self._buffer)
+            if new:
+                with contextlib.suppress(OSError):
+                    files.unlink(self._dir_fd, name)
         else:
-            self._segments[-1] = (path, count + len(self._buffer))
+            self._segments[-1] = (name, count + len(self._buffer))
         self._buffer.clear()
 
     # ------------------------------------------------------------ the file
@@ -361,7 +379,7 @@ class TraceWriter:
                     self._segments.clear()
                 try:
                     # Open now: a segment rotated away meanwhile stays readable.
-                    opened = [(path.open(), count) for path, count in segments]
+                    opened = [(files.open_read(self._dir_fd, n), count) for n, count in segments]
                 except OSError as exc:
                     logger.warning("rank %d: its trace spool is gone: %s", self.identity.rank, exc)
                     opened = []
@@ -371,9 +389,9 @@ class TraceWriter:
                 for f, _ in opened:
                     f.close()
                 if final is not None:
-                    for path, _ in segments:
+                    for name, _ in segments:
                         with contextlib.suppress(OSError):
-                            path.unlink()
+                            files.unlink(self._dir_fd, name)
 
     def _assemble(
         self, header: dict[str, Any], meta: list[str], segments: Sequence[tuple[TextIO, int]]
@@ -381,18 +399,19 @@ class TraceWriter:
         spooled = (
             line.rstrip("\n") for f, count in segments for line in itertools.islice(f, count)
         )
-        tmp = self.folder / f".{self.path.name}.tmp"
+
+        def parts() -> Iterator[str]:
+            yield '{"otherData": '
+            yield json.dumps(header)
+            yield ',\n"displayTimeUnit": "ms",\n"traceEvents": [\n'
+            yield ",\n".join(meta)
+            for line in spooled:
+                yield ",\n"
+                yield line
+            yield "\n]}\n"
+
         try:
-            with tmp.open("w") as f:
-                f.write('{"otherData": ')
-                f.write(json.dumps(header))
-                f.write(',\n"displayTimeUnit": "ms",\n"traceEvents": [\n')
-                f.write(",\n".join(meta))
-                for line in spooled:
-                    f.write(",\n")
-                    f.write(line)
-                f.write("\n]}\n")
-            os.replace(tmp, self.path)
+            files.write_new(self._dir_fd, self.path.name, parts())
         except OSError as exc:
             logger.warning("rank %d: could not write its trace: %s", self.identity.rank, exc)
             return None
@@ -481,8 +500,13 @@ def merge(directory: str | Path, out: str | Path) -> dict[str, Any]:
         "files": headers,
     }
     target = Path(out)
-    tmp = target.with_name(f".{target.name}.tmp")
-    with tmp.open("w") as f:
-        json.dump({"otherData": merged_header, "displayTimeUnit": "ms", "traceEvents": events}, f)
-    os.replace(tmp, target)
+    merged = {"otherData": merged_header, "displayTimeUnit": "ms", "traceEvents": events}
+    # Aside, then renamed, never through a link planted at either name (see
+    # [Note: files in a shared directory] in files.py); the directory is
+    # the user's choice, so it is not checked.
+    folder = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        files.write_new(folder, target.name, json.JSONEncoder().iterencode(merged))
+    finally:
+        os.close(folder)
     return merged_header

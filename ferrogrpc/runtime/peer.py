@@ -27,6 +27,7 @@ from ..algorithms.staging import Stage
 from ..control.rendezvous import Rendezvous
 from ..env import Settings
 from ..errors import CollectiveTimeoutError, ConfigError, FerroGrpcError, Identity, PeerError
+from ..observe import setup as observe_setup
 from ..observe import trace
 from ..observe.observer import Observer
 from ..ops import DTYPE_TO_WIRE, ReduceOp
@@ -209,6 +210,7 @@ class Peer:
             # host (SECURITY.md "What listens, and where").
             bind_host=bind_host,
         )
+        observe_setup.check(s)  # before anything is bound or joined
         parts = await join(
             s, rank, world_size, rendezvous, transport, bind_host, port, advertise_host, ahead
         )
