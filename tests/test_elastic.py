@@ -66,7 +66,7 @@ async def _first(m: ElasticMembership, peers: list[str]) -> list[Any]:
 
 @pytest.mark.timeout(30)
 async def test_membership_recover_drops_the_lost_and_renumbers_in_the_old_order() -> None:
-    m = ElasticMembership(heartbeat_timeout=2.0, join_window=0.1, initial_world_size=4)
+    m = ElasticMembership(heartbeat_timeout=2.0, join_window=0.1, initial_world_size=4, quiet=0)
     first = await _first(m, ["a", "b", "c", "d"])
     assert _placed(first) == [(1, i, 4, 4) for i in range(4)]
     # A sync committed by three of four, then rank 1 is reported lost:
@@ -93,7 +93,9 @@ async def test_membership_recover_drops_the_lost_and_renumbers_in_the_old_order(
 @pytest.mark.timeout(30)
 async def test_membership_admits_joiners_only_at_a_grow_and_fails_below_quorum() -> None:
     clock = Clock()
-    m = ElasticMembership(heartbeat_timeout=2.0, join_window=0.1, min_world_size=2, clock=clock)
+    m = ElasticMembership(
+        heartbeat_timeout=2.0, join_window=0.1, min_world_size=2, clock=clock, quiet=0
+    )
     m.initial_world_size = 2
     await _first(m, ["a", "b"])
     joiner = _enter(m, "j", rpb.ENTER_JOIN, 0)
@@ -131,7 +133,7 @@ async def test_a_member_entering_as_a_joiner_is_never_kept_without_the_state() -
     # of the state failed) lacks the state: a RECOVER goes on without it
     # (naming its rank dropped); the next GROW admits it among the joiners,
     # so that the members send it the state.
-    m = ElasticMembership(heartbeat_timeout=2.0, join_window=0.1, initial_world_size=3)
+    m = ElasticMembership(heartbeat_timeout=2.0, join_window=0.1, initial_world_size=3, quiet=0)
     await _first(m, ["a", "b", "c"])
     rejoin = _enter(m, "b", rpb.ENTER_JOIN, 1)
     await asyncio.sleep(0.01)
@@ -149,13 +151,13 @@ async def test_a_member_entering_as_a_joiner_is_never_kept_without_the_state() -
         (3, 0, 3, 2),
     ]
     # A restarted coordinator that has not placed a member yet (no
-    # heartbeat from it) lets it wait among the joiners when it enters to
-    # recover; once placed, it is kept (it has the state).
+    # heartbeat from it) lets it wait when it enters to recover, never as a
+    # joiner; once placed, it is kept (it has the state).
     r = ElasticMembership(heartbeat_timeout=2.0, join_window=0.1)
     r.heartbeat(rpb.HeartbeatRequest(peer_id="a", epoch=7, rank=0, world_size=3, address="a:1"))
     early = _enter(r, "c", rpb.ENTER_RECOVER, 7, [1])
     await asyncio.sleep(0.01)
-    assert not early.done() and "c" in r.joiners
+    assert not early.done() and "c" not in r.joiners
     r.heartbeat(rpb.HeartbeatRequest(peer_id="c", epoch=7, rank=2, world_size=3, address="c:1"))
     answers = await asyncio.gather(early, _enter(r, "a", rpb.ENTER_RECOVER, 7, [1]))
     assert [(a.epoch, a.rank, a.world_size, a.joined_from) for a in answers] == [

@@ -29,7 +29,22 @@ _FIELDS = (
     ("lanes", str),
     ("chunk_elems", str),
     ("checksum", integrity.kind_name),
+    # Last: an elastic group's gradient sync, at different steps.
+    ("stamp", lambda v: render_stamp(v)),
 )
+
+
+def render_stamp(stamp: int) -> str:
+    """A descriptor's stamp as a reader wants it: epoch and step."""
+    if not stamp:
+        return "none"
+    return f"epoch {stamp >> 32} step {(stamp & 0xFFFFFFFF) - 1}"
+
+
+def make_stamp(epoch: int, step: int) -> int:
+    """The stamp of an elastic group's collectives at ``step`` of ``epoch``."""
+    return (epoch << 32) | ((step + 1) & 0xFFFFFFFF)
+
 
 # The streams' protocol version, in every descriptor: 2, a ring ends with
 # world - 1 end markers and no round trip ([Note: end markers], ring.py);

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import logging
 import time
 import uuid
@@ -35,7 +36,13 @@ from ..v1 import rendezvous_pb2 as rpb
 from .coordinator_client import SERVICE
 from .coordinator_client import CoordinatorRendezvous as CoordinatorRendezvous
 from .coordinator_client import fetch_status as fetch_status
-from .membership import LOST_KEY, ElasticMembership, QuorumLostInRound
+from .membership import (
+    LOST_KEY,
+    ElasticMembership,
+    NotAdopted,
+    QuorumLostInRound,
+    SettingMismatch,
+)
 
 logger = logging.getLogger("ferrogrpc.coordinator")
 
@@ -395,12 +402,19 @@ class Coordinator:
         except QuorumLostInRound as exc:
             context.set_trailing_metadata(((LOST_KEY, ",".join(map(str, exc.lost))),))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except SettingMismatch as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except NotAdopted as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return response.SerializeToString()
 
     async def commit(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         """An elastic member's finished gradient sync (see [Note: elastic epochs])."""
         request: rpb.CommitRequest = await self._parse(raw, rpb.CommitRequest, context)
-        verdict = await self.membership.commit(request)
+        try:
+            verdict = await self.membership.commit(request)
+        except NotAdopted as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return rpb.CommitResponse(commit=verdict).SerializeToString()
 
     async def heartbeat(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
@@ -480,6 +494,15 @@ class Coordinator:
             raise RendezvousError(f"coordinator could not bind {bind}: {exc}") from exc
         if port == 0:
             raise RendezvousError(f"coordinator could not bind {bind}")
+        host = bind.rsplit(":", 1)[0].strip("[]")
+        if self.token is None and not _loopback(host):
+            logger.warning(
+                "the coordinator listens on %s without a token (FERROGRPC_TOKEN): anyone who "
+                "can reach this port can join the group, send heartbeats and commits in its "
+                "members' names, and so stall or reshape an elastic group (SECURITY.md). Set "
+                "FERROGRPC_TOKEN, or bind 127.0.0.1 on a single host",
+                bind,
+            )
         await server.start()
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
@@ -522,6 +545,13 @@ class Coordinator:
             m.left or now - max(m.last_heartbeat, released) > silent_s
             for m in self._members.values()
         )
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 async def _first(*waits: Any) -> None:

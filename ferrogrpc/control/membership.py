@@ -26,9 +26,32 @@ members less the dropped, then the waiting joiners); it forms once each has
 entered with its new address, or was dropped meanwhile (reported lost, or
 silent). Fewer than ``min_world_size`` expected: the round fails, and
 everyone in it learns the quorum is lost. A member removed from a forming
-epoch (silent, then back) enters as a joiner. A restarted coordinator
-rebuilds the current epoch from its members' heartbeats, which carry their
-epoch, rank and address.
+epoch (silent, then back) enters as a joiner.
+
+[Note: a restarted coordinator]
+A restarted coordinator knows nothing, and must not forget what the
+members still know. It rebuilds the current epoch from its members'
+heartbeats, which carry their epoch, rank, address, min_world_size and
+how many of the epoch's syncs they had committed:
+
+- It forms no first epoch until a heartbeat timeout has passed since it
+  started (``quiet``): a running group's members beat every quarter of
+  that, so a group that exists is heard from first. A heartbeat of a
+  running group adopts it even while a first epoch is forming; whoever
+  entered that first epoch then waits as a joiner.
+- An Enter or a Commit of an epoch it has not adopted waits for the
+  heartbeats that adopt it (and is answered UNAVAILABLE, to be retried,
+  if none comes): it is never taken for a fresh group's.
+- Once it holds a group, a heartbeat of an epoch it did not form is
+  refused: after an adoption only this coordinator forms epochs.
+- Commits are decided only here, one decision for everyone: a member
+  that cannot reach a coordinator waits for one (membership_client.py).
+  A sync that a member reports committed (by the coordinator before the
+  restart) is granted to every member that asks again; a sync of an
+  adopted epoch is otherwise committed as usual, once every member
+  finished it, and refused if the epoch is replaced.
+- The heartbeat timeout holds for adopted members from the adoption on: a
+  slot nobody reported by then is a member that is gone.
 """
 
 from __future__ import annotations
@@ -48,6 +71,9 @@ logger = logging.getLogger("ferrogrpc.coordinator")
 # the ranks lost, comma-separated.
 LOST_KEY = "ferrogrpc-lost"
 
+# How often an Enter or a Commit that waits for an adoption looks again.
+POLL_S = 0.05
+
 
 @dataclasses.dataclass
 class Entry:
@@ -57,6 +83,18 @@ class Entry:
     address: str
     nonce: str
     host: str = ""
+    min_world_size: int = 0
+
+
+class SettingMismatch(Exception):  # noqa: N818 - a verdict, not a fault
+    """A joiner's setting differs from the group's (answered INVALID_ARGUMENT:
+    the joiner raises ConfigError, and the members go on)."""
+
+
+class NotAdopted(Exception):  # noqa: N818 - a verdict, not a fault
+    """An Enter or a Commit of an epoch this coordinator neither formed nor
+    adopted (answered UNAVAILABLE: the caller retries, and the heartbeats
+    that adopt its epoch may arrive meanwhile)."""
 
 
 class QuorumLostInRound(Exception):  # noqa: N818 - a verdict, not a fault
@@ -102,13 +140,22 @@ class ElasticMembership:
         initial_world_size: int = 0,
         max_ranks: int = 1024,
         clock: Callable[[], float] = time.monotonic,
+        quiet: float | None = None,
     ) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         self.join_window = join_window
-        self.min_world_size = min_world_size
+        # The coordinator's own floor (--min-ranks), and the one the
+        # group's members run with (their min_world_size, which every
+        # joiner must match): the quorum is the larger.
+        self.floor = min_world_size
+        self.members_min = 0
         self.initial_world_size = initial_world_size
         self.max_ranks = max_ranks
         self.clock = clock
+        # No first epoch forms before this long after the start (see
+        # [Note: a restarted coordinator]).
+        self.quiet = heartbeat_timeout if quiet is None else quiet
+        self._started = clock()
         self.epoch = 0
         # The latest epoch this coordinator formed or adopted: a heartbeat
         # of a later one means it restarted, and the group is to be adopted
@@ -129,8 +176,10 @@ class ElasticMembership:
         # joiners too, and is kept.
         self._stateless: set[str] = set()
         self.round: _Round | None = None
-        # When this coordinator adopted an epoch it did not form (restarted).
+        # When this coordinator adopted an epoch it did not form (restarted),
+        # and whether it formed one of its own since.
         self._adopted_at: float | None = None
+        self._formed_since_adoption = False
         # The first epoch, forming: who entered, and the join window's timer.
         self._first: _Round | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -145,8 +194,11 @@ class ElasticMembership:
         self.over = False
         # The epoch whose successor failed below quorum, its members, why.
         self._quorum_lost: tuple[int, set[str], QuorumLostInRound] | None = None
-        # The latest (epoch, sync) granted without knowing every member.
-        self._optimistic: tuple[int, int] = (0, -1)
+        # How many syncs of the current epoch each member had committed, as
+        # its heartbeats say (a restarted coordinator's evidence).
+        self._committed: dict[str, int] = {}
+        # Heartbeats of epochs this coordinator did not form, refused.
+        self.refused = 0
         # Members of the current epoch that closed their backend.
         self._left: set[str] = set()
         # For the group's metrics (group_metrics.py): epochs formed, members
@@ -154,6 +206,14 @@ class ElasticMembership:
         self.formed = 0
         self.joined_total = 0
         self.removed_total = 0
+
+    @property
+    def min_world_size(self) -> int:
+        return max(self.floor, self.members_min)
+
+    @min_world_size.setter
+    def min_world_size(self, value: int) -> None:
+        self.floor = value
 
     # ------------------------------------------------------------- queries
 
@@ -173,12 +233,25 @@ class ElasticMembership:
         if request.leaving:
             return self._leave(peer)
         self.seen[peer] = self.clock()
-        if request.min_world_size:
-            self.min_world_size = max(self.min_world_size, request.min_world_size)
-        if request.epoch > self.highest and self._first is None:
-            self._adopt(request)
+        if request.epoch > self.highest:
+            if self._may_adopt(request):
+                self._adopt(request)
+            else:
+                self.refused += 1
+                if self.refused & (self.refused - 1) == 0:  # 1, 2, 4, 8, ...: rate-limited
+                    logger.warning(
+                        "refused a heartbeat of epoch %d, which this coordinator did not form "
+                        "(its epoch is %d; %d refused so far)",
+                        request.epoch,
+                        self.epoch,
+                        self.refused,
+                    )
         elif request.epoch == self.epoch and request.epoch and peer not in self.members:
             self._fill(request)
+        if request.epoch == self.epoch and request.epoch and peer in self.members:
+            if request.min_world_size:
+                self.members_min = max(self.members_min, int(request.min_world_size))
+            self._note_committed(peer, int(request.committed))
         removed: list[int] = []
         if self.round is not None and request.epoch + 1 == self.round.epoch:
             removed = list(self.round.dropped)
@@ -208,21 +281,63 @@ class ElasticMembership:
             self._abort_syncs()
         return rpb.HeartbeatResponse(epoch=self.epoch, member=False)
 
+    def _may_adopt(self, request: rpb.HeartbeatRequest) -> bool:
+        """Whether a heartbeat of an epoch later than any this coordinator
+        formed or adopted is a running group's to adopt: only while this
+        coordinator holds no group (it restarted, or the last group ended),
+        or is still hearing from the one it adopts (a later epoch than a
+        straggler's); never one it formed itself (see [Note: a restarted
+        coordinator]). The heartbeat must describe a place in a group."""
+        if not (0 < request.world_size <= self.max_ranks and request.rank < request.world_size):
+            return False
+        if not request.address:
+            return False
+        if self.round is None and (self.epoch == 0 or not any(self.members)):
+            return True
+        adopted = self._adopted_at
+        return (
+            adopted is not None
+            and self.round is None
+            and self.highest == self.epoch
+            and self.clock() - adopted <= self.heartbeat_timeout
+            and not self._formed_since_adoption
+        )
+
     def _adopt(self, request: rpb.HeartbeatRequest) -> None:
         """A member of an epoch this coordinator never formed (it restarted):
-        take that epoch as the current one, and fill it as members report."""
+        take that epoch as the current one, and fill it as members report.
+        A first epoch forming meanwhile is abandoned: whoever entered it
+        waits as a joiner of the adopted group."""
         logger.info("adopting epoch %d from its members' heartbeats", request.epoch)
+        first = self._first
+        if first is not None:
+            self._first = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            for peer, entry in first.entered.items():
+                self.joiners[peer] = entry
+                self._stateless.add(peer)
+            if not first.done.done():
+                first.done.set_result(None)
+        self._abort_syncs()
         self.epoch = self.highest = int(request.epoch)
-        self.members = [None] * max(1, request.world_size)
+        self.members = [None] * request.world_size
         self.entries = {}
         self.round = None
+        self._committed = {}
         self._adopted_at = self.clock()
+        self._formed_since_adoption = False
+        self.over = False
+        self._left.clear()
         self._fill(request)
 
     def _fill(self, request: rpb.HeartbeatRequest) -> None:
         rank = self._heartbeat_rank(request)
         if rank is None or not 0 <= rank < len(self.members) or self.members[rank] is not None:
             return
+        if request.peer_id in self.members:
+            return  # already placed (a rank it reports differently is not believed)
         self.members[rank] = request.peer_id
         self.entries[request.peer_id] = Entry(
             request.peer_id, request.address, request.nonce, request.host
@@ -236,12 +351,14 @@ class ElasticMembership:
 
     async def enter(self, request: rpb.EnterRequest) -> rpb.EnterResponse:
         """Enter the next epoch (see [Note: elastic epochs]); long-polls until
-        it formed. Raises QuorumLostInRound."""
+        it formed. Raises QuorumLostInRound, SettingMismatch (a joiner's
+        min_world_size is not the group's) or NotAdopted (an epoch this
+        coordinator does not know, after waiting for its heartbeats)."""
         peer = request.peer_id
         self.seen[peer] = self.clock()
-        entry = Entry(peer, request.address, request.nonce, request.host)
-        if request.min_world_size:
-            self.min_world_size = max(self.min_world_size, request.min_world_size)
+        entry = Entry(
+            peer, request.address, request.nonce, request.host, int(request.min_world_size)
+        )
         answered = self._answers.get(peer)
         if answered is not None and answered.epoch > request.epoch:
             return answered  # a retry: that epoch is formed
@@ -249,12 +366,21 @@ class ElasticMembership:
             failed, members, err = self._quorum_lost
             if request.epoch == failed and peer in members:
                 raise err
-        if self.epoch == 0 and self._first is None and not self.members:
-            self._first = _Round(1, rpb.ENTER_JOIN, [], 0, [])
-        if self._first is not None:
-            return await self._enter_first(entry)
+        if request.epoch > self.highest:
+            # A member of an epoch this coordinator never formed: it
+            # restarted, and waits for the heartbeats that adopt the group.
+            await self._await_epoch(int(request.epoch))
         rank = self._rank_of(peer)
+        if request.epoch and request.epoch == self.epoch and rank is None:
+            await self._settle_adoption(())  # its heartbeat may place it yet
+            rank = self._rank_of(peer)
         member = request.epoch == self.epoch and rank is not None
+        if not member:
+            self._check_setting(entry)
+        if self.epoch == 0 and self._first is None and not self.members and request.epoch == 0:
+            self._first = _Round(1, rpb.ENTER_JOIN, [], 0, [])
+        if self._first is not None and request.epoch == 0:
+            return await self._enter_first(entry)
         if not member or request.reason == rpb.ENTER_JOIN:
             return await self._enter_as_joiner(entry, stateless=request.reason == rpb.ENTER_JOIN)
         assert rank is not None
@@ -270,11 +396,46 @@ class ElasticMembership:
             await current.done  # below quorum: raises QuorumLostInRound
         if peer not in current.order:
             return await self._enter_as_joiner(entry)  # dropped meanwhile
-        current.entered[peer] = entry
+        return await self._enter_round(current, entry)
+
+    async def _enter_round(self, current: _Round, entry: Entry) -> rpb.EnterResponse:
+        """Wait in ``current`` until it formed. One dropped from it after it
+        entered (silent past the heartbeat timeout) lacks the new epoch's
+        state and waits for the next GROW, as a joiner."""
+        current.entered[entry.peer_id] = entry
         self._maybe_form(current)
         result = await asyncio.shield(current.done)
         assert result is not None
-        return self._answer(result, peer)
+        if entry.peer_id not in current.order:
+            return await self._enter_as_joiner(entry, stateless=True)
+        return self._answer(result, entry.peer_id)
+
+    async def _await_epoch(self, epoch: int) -> None:
+        """Until ``epoch`` is adopted (its members' heartbeats), for up to the
+        heartbeat timeout and a quarter (a member beats every quarter):
+        NotAdopted if it never is. A poll, like _settle_adoption."""
+        deadline = self.clock() + 1.25 * self.heartbeat_timeout
+        while self.highest < epoch and self.clock() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(POLL_S)
+        if self.highest < epoch:
+            raise NotAdopted(
+                f"epoch {epoch} is unknown to this coordinator (its epoch is {self.epoch}): "
+                "it restarted, and no member of that epoch has reported to it yet"
+            )
+
+    def _check_setting(self, entry: Entry) -> None:
+        """A joiner of a running group must run with the group's
+        min_world_size: one that differs is refused, and the group goes on
+        (one joiner's setting never changes the group's quorum)."""
+        group = self.members_min
+        mine = entry.min_world_size
+        if not mine or not group or mine == group or not (self.epoch or self.round):
+            return
+        raise SettingMismatch(
+            f"this process runs with min_world_size {mine} (FERROGRPC_MIN_WORLD_SIZE, or "
+            f"init_backend's min_world_size), but the group it joins runs with {group}: "
+            "every process of an elastic group must use the same value"
+        )
 
     async def _settle_adoption(self, lost: Sequence[int]) -> None:
         """A restarted coordinator learns an adopted epoch's members from
@@ -301,26 +462,45 @@ class ElasticMembership:
         logger.info("%d processes entered the first epoch", len(first.entered))
         if self.initial_world_size:
             if len(first.entered) >= self.initial_world_size:
-                self._form_first()
+                self._schedule_first(0.0)
         else:
-            if self._timer is not None:
+            need = max([self.floor, *(e.min_world_size for e in first.entered.values())])
+            if len(first.entered) >= need:
+                self._schedule_first(self.join_window)
+            elif self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-            if len(first.entered) >= self.min_world_size:
-                self._timer = asyncio.get_running_loop().call_later(
-                    self.join_window, self._form_first
-                )
         result = await asyncio.shield(first.done)
-        assert result is not None
+        if result is None:
+            # A running group was heard from meanwhile (this coordinator
+            # restarted): it admits this process at its next boundary.
+            return await self._enter_as_joiner(entry, stateless=True)
         return self._answer(result, entry.peer_id)
+
+    def _schedule_first(self, delay: float) -> None:
+        """Form the first epoch in ``delay`` seconds, and not within the quiet
+        period after this coordinator started (see [Note: a restarted
+        coordinator])."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        delay = max(delay, self._started + self.quiet - self.clock())
+        if delay <= 0:
+            self._form_first()
+        else:
+            self._timer = asyncio.get_running_loop().call_later(delay, self._form_first)
 
     def _form_first(self) -> None:
         first = self._first
         if first is None or first.done.done():
             return
         self._timer = None
+        if self.clock() < self._started + self.quiet:
+            self._schedule_first(0.0)
+            return
         self._first = None
         first.joined_from = len(first.order)  # the first epoch: nobody joins late
+        self.members_min = max(e.min_world_size for e in first.entered.values())
         self._form(first)
 
     async def _enter_as_joiner(self, entry: Entry, stateless: bool = False) -> rpb.EnterResponse:
@@ -342,11 +522,7 @@ class ElasticMembership:
             ):
                 self._not_kept(current, entry.peer_id)
             if current is not None and entry.peer_id in current.order:
-                current.entered[entry.peer_id] = entry
-                self._maybe_form(current)
-                result = await asyncio.shield(current.done)
-                assert result is not None
-                return self._answer(result, entry.peer_id)
+                return await self._enter_round(current, entry)
             event = self._admission
             await event.wait()
 
@@ -366,10 +542,14 @@ class ElasticMembership:
             }
         )
         kept = [p for r, p in enumerate(self.members) if r not in dropped and p is not None]
+        # (A member that entered before a restarted coordinator placed it
+        # waits among the joiners too: it is listed once, kept.)
         joiners = [
             p
             for p in self.joiners
-            if reason == rpb.ENTER_GROW and now - self.seen.get(p, now) <= self.heartbeat_timeout
+            if reason == rpb.ENTER_GROW
+            and p not in kept
+            and now - self.seen.get(p, now) <= self.heartbeat_timeout
         ]
         current = _Round(self.epoch + 1, reason, kept + joiners, len(kept), dropped)
         self.round = current
@@ -409,14 +589,20 @@ class ElasticMembership:
         self._check_quorum(current)
         self._maybe_form(current)
 
-    def _drop(self, current: _Round, ranks: Sequence[int]) -> None:
-        """Ranks of the previous epoch found lost while ``current`` forms."""
+    def _drop(self, current: _Round, ranks: Sequence[int], silent: bool = False) -> None:
+        """Ranks of the previous epoch found lost while ``current`` forms: a
+        member's report skips one that entered it since (alive, then), but
+        silence drops it all the same (it entered, and died or stalled)."""
         for rank in ranks:
             if rank in current.dropped or rank >= len(self.members):
                 continue
             peer = self.members[rank]
-            if peer is None or peer not in current.order or peer in current.entered:
-                continue  # entered already: alive
+            if peer is None or peer not in current.order:
+                continue
+            if peer in current.entered:
+                if not silent:
+                    continue  # entered already: alive
+                del current.entered[peer]
             current.order.remove(peer)
             current.joined_from -= 1
             current.dropped.append(rank)
@@ -454,6 +640,8 @@ class ElasticMembership:
         self.over = False
         self.epoch = current.epoch
         self.highest = max(self.highest, current.epoch)
+        self._formed_since_adoption = True
+        self._committed = {}
         self.members = list(order)
         self.entries = {p: current.entered[p] for p in order}
         self.formed += 1
@@ -493,26 +681,21 @@ class ElasticMembership:
 
     async def commit(self, request: rpb.CommitRequest) -> bool:
         """The n-th gradient sync of ``request.epoch`` finished on this
-        member: True once it has on every member, False if that epoch is
-        (being) replaced because members were lost."""
+        member: True once it has on every member (or a member's heartbeat
+        says it was committed before this coordinator restarted), False if
+        that epoch is (being) replaced because members were lost, or the
+        caller is no member of it. One decision for every member: nothing
+        is granted on a guess (see [Note: a restarted coordinator]).
+        Raises NotAdopted for an epoch this coordinator does not know."""
         peer, n = request.peer_id, int(request.n)
-        self.seen[peer] = self.clock()
         epoch = int(request.epoch)
-        restarted = epoch > self.highest  # no heartbeat of that epoch yet
-        adopting = (
-            epoch == self.epoch
-            and self._adopted_at is not None
-            and any(p is None for p in self.members)
-        )
-        if restarted or adopting or (epoch, n) <= self._optimistic:
-            # This coordinator restarted during that epoch and does not know
-            # every member yet: granted, as a member's client grants it
-            # while no coordinator answers; the n-th sync is then granted to
-            # every member, whenever it asks.
-            self._optimistic = max(self._optimistic, (epoch, n))
-            return True
-        if request.epoch != self.epoch or peer not in self.members:
+        if epoch > self.highest:
+            await self._await_epoch(epoch)
+        if epoch == self.epoch and peer not in self.members:
+            await self._settle_adoption(())  # its heartbeat may place it yet
+        if epoch != self.epoch or peer not in self.members:
             return False
+        self.seen[peer] = self.clock()
         if self.round is not None and self.round.reason == rpb.ENTER_RECOVER:
             return False
         finished = self._finished.setdefault(n, set())
@@ -520,14 +703,30 @@ class ElasticMembership:
         verdict = self._verdicts.get(n)
         if verdict is None:
             verdict = self._verdicts[n] = asyncio.get_running_loop().create_future()
-        if all(p is not None and p in finished for p in self.members):
-            if not verdict.done():
-                verdict.set_result(True)
-            # Older syncs are settled: forget them.
-            for old in [k for k in self._finished if k < n]:
-                del self._finished[old]
-                self._verdicts.pop(old, None)
+        if max(self._committed.values(), default=0) > n or all(
+            p is not None and p in finished for p in self.members
+        ):
+            self._grant(n)
         return await asyncio.shield(verdict)
+
+    def _grant(self, n: int) -> None:
+        verdict = self._verdicts.get(n)
+        if verdict is not None and not verdict.done():
+            verdict.set_result(True)
+        # Older syncs are settled: forget them.
+        for old in [k for k in self._finished if k < n]:
+            del self._finished[old]
+            self._verdicts.pop(old, None)
+
+    def _note_committed(self, peer: str, committed: int) -> None:
+        """A member's heartbeat: it had ``committed`` syncs of the current
+        epoch committed. Those were decided (by this coordinator, or by the
+        one before its restart): every member asking for them gets True."""
+        if committed <= self._committed.get(peer, 0):
+            return
+        self._committed[peer] = committed
+        for k in sorted(k for k in self._verdicts if k < committed):
+            self._grant(k)
 
     def _abort_syncs(self) -> None:
         for verdict in self._verdicts.values():
@@ -550,11 +749,9 @@ class ElasticMembership:
             del self.joiners[peer]
             self._stateless.discard(peer)
             current = self.round
-            if (
-                current is not None
-                and peer in current.order[current.joined_from :]
-                and peer not in current.entered
-            ):
+            if current is not None and peer in current.order[current.joined_from :]:
+                # (Entered or not: a silent one would hold the epoch up.)
+                current.entered.pop(peer, None)
                 current.order.remove(peer)
                 self._maybe_form(current)
         if self.epoch == 0 or self._first is not None:
@@ -572,4 +769,4 @@ class ElasticMembership:
             logger.warning("ranks %s of epoch %d went silent", silent, self.epoch)
             self._open_round(rpb.ENTER_RECOVER, silent)
         else:
-            self._drop(self.round, silent)
+            self._drop(self.round, silent, silent=True)

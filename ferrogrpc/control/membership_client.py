@@ -39,6 +39,23 @@ class Beat:
     address: str = ""
     nonce: str = ""
     host: str = ""
+    # Syncs of ``epoch`` committed on this member (see [Note: a restarted
+    # coordinator] in membership.py).
+    committed: int = 0
+
+
+def reconnect_options(heartbeat_timeout: float) -> list[tuple[str, int]]:
+    """Channel options for the links to the coordinator: gRPC's default
+    reconnect backoff (1 s, growing 1.6x to 120 s) would leave a member's
+    heartbeats off a restarted coordinator for longer than the heartbeat
+    timeout after a few seconds away, and the new coordinator would take
+    live members for silent. Retry every tenth of the timeout instead."""
+    backoff_ms = max(20, min(1000, int(heartbeat_timeout * 100)))
+    return [
+        ("grpc.initial_reconnect_backoff_ms", backoff_ms),
+        ("grpc.min_reconnect_backoff_ms", backoff_ms),
+        ("grpc.max_reconnect_backoff_ms", backoff_ms),
+    ]
 
 
 class MembershipClient:
@@ -63,6 +80,7 @@ class MembershipClient:
         self.timeout = timeout
         self.min_world_size = min_world_size
         self.period = heartbeat_timeout / 4
+        self._options = reconnect_options(heartbeat_timeout)
         self._metadata = token_metadata(token)
         # This process's identity in the group, across epochs: random, and
         # shown to nobody but the coordinator.
@@ -92,7 +110,7 @@ class MembershipClient:
         its table from heartbeats), up to ``timeout``. Raises QuorumLostError,
         or RendezvousError."""
         if self._channel is None:
-            self._channel = aio_channel(self.target, self.tls)
+            self._channel = aio_channel(self.target, self.tls, self._options)
         call = self._channel.unary_unary(
             f"/{SERVICE}/Enter",
             request_serializer=rpb.EnterRequest.SerializeToString,
@@ -127,6 +145,10 @@ class MembershipClient:
                         lost=lost_ranks,
                         peer=(lost_ranks[0] if lost_ranks else None),
                     ) from exc
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise ConfigError(
+                        f"the coordinator at {self.target} refused this process: {exc.details()}"
+                    ) from exc
                 if code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline:
                     await asyncio.sleep(0.5)  # the coordinator is away: wait for it
                     continue
@@ -138,30 +160,55 @@ class MembershipClient:
     async def commit(self, epoch: int, n: int) -> bool:
         """The n-th gradient sync of ``epoch`` finished here: True once it did
         on every member, False if the epoch is being replaced (members were
-        lost: redo it in the next epoch). With the coordinator away, True:
-        training goes on without it (a member lost at the same moment is
-        then found by the next collective)."""
+        lost: redo it in the next epoch). One decision for every member, so
+        only the coordinator makes it: while none answers (it restarts),
+        this waits for one, up to ``timeout`` (RendezvousError after that).
+        Guessing would let two members decide differently."""
         if self._channel is None:
-            self._channel = aio_channel(self.target, self.tls)
+            self._channel = aio_channel(self.target, self.tls, self._options)
         call = self._channel.unary_unary(
             f"/{SERVICE}/Commit",
             request_serializer=rpb.CommitRequest.SerializeToString,
             response_deserializer=rpb.CommitResponse.FromString,
         )
         request = rpb.CommitRequest(peer_id=self.peer_id, epoch=epoch, n=n)
-        try:
-            response: rpb.CommitResponse = await call(
-                request, timeout=self.timeout, metadata=self._metadata
-            )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                logger.warning("commit without the coordinator (%s)", exc.code().name)
-                return True
-            raise RendezvousError(
-                f"committing a sync through the coordinator at {self.target} failed: "
-                f"{exc.code().name} {exc.details()}"
-            ) from exc
-        return bool(response.commit)
+        deadline = time.monotonic() + self.timeout
+        warned = False
+        while True:
+            try:
+                response: rpb.CommitResponse = await call(
+                    request,
+                    timeout=max(1.0, deadline - time.monotonic()),
+                    wait_for_ready=True,
+                    metadata=self._metadata,
+                )
+                return bool(response.commit)
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                away = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if away and time.monotonic() < deadline:
+                    if not warned:
+                        warned = True
+                        logger.warning(
+                            "sync %d of epoch %d waits for the coordinator at %s (%s: %s)",
+                            n,
+                            epoch,
+                            self.target,
+                            code.name,
+                            exc.details(),
+                        )
+                    await asyncio.sleep(0.1)
+                    continue
+                raise RendezvousError(
+                    f"committing sync {n} of epoch {epoch} through the coordinator at "
+                    f"{self.target} failed: {code.name} {exc.details()}"
+                    + (
+                        f" (no coordinator answered within {self.timeout:g}s, "
+                        "FERROGRPC_CONNECT_TIMEOUT)"
+                        if away
+                        else ""
+                    )
+                ) from exc
 
     async def close_channel(self) -> None:
         if self._channel is not None:
@@ -190,6 +237,7 @@ class MembershipClient:
             address=beat.address,
             nonce=beat.nonce,
             host=beat.host,
+            committed=beat.committed,
             min_world_size=self.min_world_size,
             collective=collective,
             seq=seq,
@@ -198,7 +246,7 @@ class MembershipClient:
 
     def heartbeat_once(self, timeout: float) -> rpb.HeartbeatResponse | None:
         """One heartbeat now, from this thread (None if it failed)."""
-        with sync_channel(self.target, self.tls) as channel:
+        with sync_channel(self.target, self.tls, self._options) as channel:
             return self._beat(_beat_stub(channel), timeout)
 
     def _beat(self, stub: Any, timeout: float) -> rpb.HeartbeatResponse | None:
@@ -214,7 +262,7 @@ class MembershipClient:
         return response
 
     def _run(self) -> None:
-        with sync_channel(self.target, self.tls) as channel:
+        with sync_channel(self.target, self.tls, self._options) as channel:
             stub = _beat_stub(channel)
             while not self._stop.is_set():
                 response = self._beat(stub, timeout=max(self.period, 0.5))
@@ -229,6 +277,12 @@ class MembershipClient:
         with self._lock:
             self.beat = beat
 
+    def set_committed(self, epoch: int, committed: int) -> None:
+        """This member had ``committed`` syncs of ``epoch`` committed."""
+        with self._lock:
+            if self.beat.epoch == epoch:
+                self.beat = dataclasses.replace(self.beat, committed=committed)
+
     def close(self) -> None:
         """Stop heartbeating, and tell the coordinator this process leaves."""
         self._stop.set()
@@ -237,7 +291,7 @@ class MembershipClient:
             self._thread = None
         with (
             contextlib.suppress(grpc.RpcError),
-            sync_channel(self.target, self.tls) as channel,
+            sync_channel(self.target, self.tls, self._options) as channel,
         ):
             _beat_stub(channel)(
                 self._request(leaving=True), timeout=LEAVING_S, metadata=self._metadata

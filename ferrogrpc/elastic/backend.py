@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import grpc
 import torch
 
+from ..algorithms.descriptor import make_stamp
 from ..control.membership_client import Beat, EpochRendezvous, MembershipClient
 from ..env import Settings
 from ..errors import (
@@ -140,6 +141,8 @@ class ElasticBackend:
         self._phase = 0
         self._syncs = 0
         self._last_target = 0
+        # Whether this epoch's collectives carry the step (see _stamp).
+        self._stamped = False
         client.on_heartbeat = self._on_heartbeat
         # The metrics port serves on between epochs (observe/metrics.py).
         self._release_metrics = metrics.hold(settings)
@@ -201,7 +204,37 @@ class ElasticBackend:
 
     def _enter(self, reason: int, lost: Sequence[int] = ()) -> rpb.EnterResponse:
         """Close this epoch's peer, if any, and start the next epoch's
-        through the coordinator. Blocks until that epoch formed.
+        through the coordinator. Blocks until that epoch formed and this
+        process's peer in it started.
+
+        An epoch that formed, but in which this process could not start its
+        peer (a rank of it on this host died meanwhile, and its socket
+        refused: issue 60), is left at once for the one after: entered to
+        recover, naming the rank that refused, if this process was a member
+        before (it holds the state), else as a joiner. The others find this
+        process gone from that epoch and do the same.
+        """
+        while True:
+            try:
+                return self._start_epoch(reason, lost)
+            except _StartFailed as failed:
+                formed, exc = failed.formed, failed.error
+                if self._closed:
+                    raise exc from None
+                was_member = formed.rank < formed.joined_from
+                logger.warning(
+                    "epoch %d formed, but this process could not start its peer in it (%s): "
+                    "entering the next epoch%s",
+                    formed.epoch,
+                    exc,
+                    "" if was_member else " as a joiner",
+                )
+                self._epoch = int(formed.epoch)
+                reason = rpb.ENTER_RECOVER if was_member else rpb.ENTER_JOIN
+                lost = [exc.peer] if exc.peer is not None else []
+
+    def _start_epoch(self, reason: int, lost: Sequence[int]) -> rpb.EnterResponse:
+        """One try of :meth:`_enter`.
 
         The old peer closes while the next epoch's server starts and its
         Enter waits for the other members (unless a fixed port must be
@@ -260,6 +293,13 @@ class ElasticBackend:
                 raise RendezvousError(
                     f"the next epoch did not form within {s.timeouts.connect + 30:g}s"
                 ) from exc
+            formed = rendezvous.response
+            if (
+                formed is not None
+                and isinstance(exc, FerroGrpcError)
+                and not isinstance(exc, (QuorumLostError, ConfigError))
+            ):
+                raise _StartFailed(formed, exc) from exc
             raise
         response = rendezvous.response
         assert response is not None
@@ -270,6 +310,7 @@ class ElasticBackend:
             self._removed_ranks = []
             self._removed_me = False
             self._syncs = 0
+            self._stamped = False
             self._membership = Membership(
                 self._epoch, int(response.world_size), tuple(response.addresses)
             )
@@ -376,9 +417,44 @@ class ElasticBackend:
                 assert self.state is not None
                 self.state.send_to_joiners(self._joined_from)
         position = torch.tensor([2 * self._step + self._phase], dtype=torch.int64)
+        self._stamp(False)  # members at different places meet here, by design
         self._require().all_reduce(position, "max")
         self._last_target = int(position.item())
         return self._last_target
+
+    def _stamp(self, on: bool) -> None:
+        """Stamp this epoch's collectives with the step (on) or not (the
+        boundary's own, where members at different places agree on where
+        the group is). Members whose stamps differ fail a collective with a
+        ProtocolError naming both steps (it is recovered from like any
+        failure): contributions of two steps never mix in one sync."""
+        current = self._current
+        if current is None or self._stamped == on:
+            return
+        self._stamped = on
+        current.peer.set_stamp(make_stamp(self._epoch, self._step) if on else 0)
+
+    def _behind(self) -> bool:
+        """After a new epoch agreed on where the group is: whether the group
+        is past this step's gradient sync, which was then committed on the
+        others and not written here (a verdict lost with a coordinator that
+        restarted, say). This process cannot catch up by running steps: it
+        leaves the group and joins again, receiving the state."""
+        return self._last_target > 2 * self._step + 1
+
+    def _rejoin(self) -> None:
+        """Leave the epoch (the others' collectives with this process fail, and
+        they go on without it) and join again as a joiner, receiving the
+        group's state at their next boundary."""
+        logger.warning(
+            "rank %d is behind the group (at position %d, the group at %d): it joins again "
+            "to receive the group's state",
+            self.rank,
+            2 * self._step + self._phase,
+            self._last_target,
+        )
+        self._enter(rpb.ENTER_JOIN)
+        self._settle()
 
     def _receive_state(self) -> None:
         if self.state is None:
@@ -428,6 +504,15 @@ class ElasticBackend:
         them the state. Returns True if this process received the state
         here (the group's step index came with it: ``ElasticState.step``)."""
         self._step, self._phase = step, 0
+        self._stamp(False)
+        try:
+            received = self._boundary()
+        finally:
+            with contextlib.suppress(Exception):
+                self._stamp(True)
+        return received
+
+    def _boundary(self) -> bool:
         received = False
         # A step after the last change of epoch: the next one's segment.
         self._prepare_spare()
@@ -451,6 +536,9 @@ class ElasticBackend:
                 broken = self.peer._life.broken
                 if superseded or broken is not None:
                     received = self.recover(broken) or received
+                    if self._behind():
+                        self._rejoin()
+                        return True
                     if 2 * self._step < self._last_target:
                         return received
                     continue
@@ -483,6 +571,9 @@ class ElasticBackend:
                     raise
                 logger.info("the epoch failed at a step boundary (%s): recovering", exc)
                 received = self.recover(exc) or received
+                if self._behind():
+                    self._rejoin()
+                    return True
                 if 2 * self._step < self._last_target:
                     return received
 
@@ -513,10 +604,15 @@ class ElasticBackend:
                 raise
             except FerroGrpcError as exc:
                 cause = exc
-            if self.recover(cause):
+            rejoined = self.recover(cause)
+            if not rejoined and self._behind():
+                self._rejoin()
+                rejoined = True
+            if rejoined:
                 if self.state is not None:
                     self.state.rejoined()
                 return True
+            self._stamp(True)  # the redo, in the new epoch, at this step
 
     def _commit(self) -> bool:
         """Commit this epoch's next sync through the coordinator. A member
@@ -524,11 +620,17 @@ class ElasticBackend:
         breaks before every member committed, and the sync is redone."""
         n = self._syncs
         self._syncs += 1
-        asking = asyncio.run_coroutine_threadsafe(self._client.commit(self._epoch, n), self._loop)
+        epoch = self._epoch
+        asking = asyncio.run_coroutine_threadsafe(self._client.commit(epoch, n), self._loop)
         life = self._require().peer._life
         while True:
             try:
-                return asking.result(timeout=0.05)
+                granted = asking.result(timeout=0.05)
+                if granted:
+                    # Heartbeats say so: a restarted coordinator grants this
+                    # sync to the members that did not hear the verdict.
+                    self._client.set_committed(epoch, n + 1)
+                return granted
             except concurrent.futures.TimeoutError:
                 broken = life.broken
                 if broken is not None:
@@ -636,6 +738,16 @@ class ElasticBackend:
     def __repr__(self) -> str:
         m = self._membership
         return f"<ferrogrpc.ElasticBackend rank {self.rank}/{m.world_size} epoch {m.epoch}>"
+
+
+class _StartFailed(Exception):  # noqa: N818 - a hand-off, not a fault
+    """An epoch formed (``formed``, this process's table), but this process's
+    peer in it failed to start (``error``)."""
+
+    def __init__(self, formed: rpb.EnterResponse, error: FerroGrpcError) -> None:
+        super().__init__(str(error))
+        self.formed = formed
+        self.error = error
 
 
 async def _close_channels(channels: Iterable[grpc.aio.Channel]) -> None:

@@ -87,6 +87,10 @@ class Engine:
         self.links = Links(ctx)
         self._loop = asyncio.get_running_loop()
         self._descriptors: dict[tuple[Any, ...], pb.Descriptor] = {}
+        # Where the caller's training is (descriptor.make_stamp; 0: not
+        # said): every collective numbered meanwhile carries it, and ranks
+        # whose stamps differ fail it instead of mixing their data.
+        self.stamp = 0
         # All-gathers and reduce-scatters are small by one rank's part, except
         # where several hosts hold several ranks each (exchange_plan.is_small).
         topo = self.topology
@@ -162,6 +166,11 @@ class Engine:
                 self._link,
                 uniform,
             )
+        if self.stamp:
+            stamped = pb.Descriptor()
+            stamped.CopyFrom(descriptor)
+            stamped.stamp = self.stamp
+            descriptor = stamped
         itemsize = buffer.element_size()
         ordered = self._uses_plane(descriptor, itemsize)
         direct = self.direct is not None and is_direct(descriptor, itemsize)

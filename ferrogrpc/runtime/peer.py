@@ -111,6 +111,14 @@ class Peer:
         """The address this rank advertises to the others."""
         return self._parts.address
 
+    def set_stamp(self, stamp: int) -> None:
+        """Stamp every collective called from now on with ``stamp``
+        (descriptor.make_stamp; 0: none): ranks whose stamps differ fail the
+        collective with a ProtocolError naming both, instead of mixing
+        contributions. An elastic group stamps each step's collectives with
+        its epoch and step (ElasticBackend)."""
+        self._engine.stamp = stamp
+
     @property
     def data_path(self) -> str:
         """How this rank's tensor bytes travel: ``"shared memory"`` (every

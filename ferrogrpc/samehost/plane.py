@@ -143,6 +143,14 @@ def _same_user(sock: socket.socket) -> bool:
         return False
 
 
+class _RefusedError(OSError):
+    """Rank ``rank``'s socket refused the connection (its process is gone)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(f"rank {rank}'s socket refused the connection")
+        self.rank = rank
+
+
 class _Link:
     """The connection to one local peer, and what it has signalled."""
 
@@ -231,11 +239,21 @@ class LocalPlane:
                 timeout,
             )
         except (OSError, TimeoutError) as exc:
+            # A rank whose socket refused is gone (its plane closed with its
+            # process): named, so that an elastic group goes on without it.
+            refused = exc.rank if isinstance(exc, _RefusedError) else None
             raise RendezvousError(
                 f"could not connect to the ranks on this host ({peers}) through shared memory: "
-                f"{exc!r}; set FERROGRPC_SHM=0 to use gRPC between them",
+                + (
+                    f"rank {refused} refused ({exc.__cause__!r})"
+                    if refused is not None
+                    else repr(exc)
+                )
+                + "; set FERROGRPC_SHM=0 to use gRPC between them",
                 rank=me.rank,
                 world_size=me.world_size,
+                peer=refused,
+                evidence=Evidence.UNREACHABLE if refused is not None else Evidence.FOUND,
             ) from exc
         items = list(socks.items())
         for i, (rank, (sock, fd, direct)) in enumerate(items):
@@ -284,7 +302,10 @@ class LocalPlane:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.settimeout(timeout)
                 try:
-                    sock.connect(_socket_name(nonces[peer]))
+                    try:
+                        sock.connect(_socket_name(nonces[peer]))
+                    except (ConnectionRefusedError, FileNotFoundError) as exc:
+                        raise _RefusedError(peer) from exc
                     if not _same_user(sock):
                         raise OSError(f"rank {peer}'s socket is held by another user")
                     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -1,0 +1,254 @@
+"""The coordinator's elastic membership through a restart, on its own (no
+network): issue 61's mechanisms and issue 55's forged requests and
+settings, each as the deterministic repro the issue describes. The real
+processes' side is in test_restart.py."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from ferrogrpc.control.membership import ElasticMembership, NotAdopted, SettingMismatch
+from ferrogrpc.v1 import rendezvous_pb2 as rpb
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _enter(
+    m: ElasticMembership,
+    peer: str,
+    reason: int,
+    epoch: int,
+    lost: list[int] | None = None,
+    min_world_size: int = 0,
+) -> asyncio.Task[Any]:
+    request = rpb.EnterRequest(
+        peer_id=peer,
+        address=f"{peer}:1",
+        nonce="n" * 16,
+        epoch=epoch,
+        reason=reason,  # type: ignore[arg-type]
+        lost=lost or [],
+        min_world_size=min_world_size,
+    )
+    return asyncio.ensure_future(m.enter(request))
+
+
+def _beat(
+    m: ElasticMembership,
+    peer: str,
+    epoch: int,
+    rank: int,
+    world: int,
+    committed: int = 0,
+    min_world_size: int = 0,
+) -> rpb.HeartbeatResponse:
+    return m.heartbeat(
+        rpb.HeartbeatRequest(
+            peer_id=peer,
+            epoch=epoch,
+            rank=rank,
+            world_size=world,
+            address=f"{peer}:1",
+            committed=committed,
+            min_world_size=min_world_size,
+        )
+    )
+
+
+def _commit(m: ElasticMembership, peer: str, epoch: int, n: int) -> asyncio.Task[bool]:
+    return asyncio.ensure_future(m.commit(rpb.CommitRequest(peer_id=peer, epoch=epoch, n=n)))
+
+
+def _placed(answers: list[Any]) -> list[tuple[int, int, int, int]]:
+    return [(r.epoch, r.rank, r.world_size, r.joined_from) for r in answers]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("initial", [5, 0])
+async def test_a_joiner_that_enters_a_restarted_coordinator_first_waits_for_the_group(
+    initial: int,
+) -> None:
+    # Mechanism 1: a restarted coordinator (made with --world-size 5, or
+    # sized by arrivals) gets a replacement's Enter(JOIN) before any
+    # member's heartbeat. It must not open a first epoch for it: the
+    # members' heartbeats of epoch 7 adopt the group, and the joiner
+    # waits for that group's next GROW.
+    m = ElasticMembership(heartbeat_timeout=0.5, join_window=0.05, initial_world_size=initial)
+    joiner = _enter(m, "j", rpb.ENTER_JOIN, 0)
+    await asyncio.sleep(0.2)  # longer than the join window
+    assert not joiner.done() and m.epoch == 0
+    for rank, peer in enumerate(("a", "b", "c")):
+        beat = _beat(m, peer, 7, rank, 3)
+        assert beat.member and beat.epoch == 7
+    assert m.epoch == 7 and m.members == ["a", "b", "c"]
+    assert m.formed == 0  # no "first epoch" was ever formed
+    for _ in range(6):  # past the quiet period: still no fresh group
+        await asyncio.sleep(0.1)
+        beats = [_beat(m, peer, 7, rank, 3) for rank, peer in enumerate(("a", "b", "c"))]
+        m.heartbeat(rpb.HeartbeatRequest(peer_id="j"))
+    assert not joiner.done() and m.epoch == 7
+    assert beats[0].joiners_waiting == 1
+    grow = [_enter(m, p, rpb.ENTER_GROW, 7) for p in ("a", "b", "c")]
+    answers = await asyncio.gather(joiner, *grow)
+    assert _placed(answers) == [(8, 3, 4, 3), (8, 0, 4, 3), (8, 1, 4, 3), (8, 2, 4, 3)]
+
+
+@pytest.mark.timeout(30)
+async def test_a_fresh_coordinator_forms_the_first_epoch_after_its_quiet_period() -> None:
+    # The price of the rule above: a new group waits out one heartbeat
+    # timeout after the coordinator started, no more.
+    loop = asyncio.get_running_loop()
+    m = ElasticMembership(heartbeat_timeout=0.4, join_window=0.05, initial_world_size=2)
+    began = loop.time()
+    answers = await asyncio.gather(*(_enter(m, p, rpb.ENTER_JOIN, 0) for p in ("a", "b")))
+    waited = loop.time() - began
+    assert _placed(answers) == [(1, 0, 2, 2), (1, 1, 2, 2)]
+    assert 0.35 <= waited < 2.0, waited
+
+
+@pytest.mark.timeout(30)
+async def test_a_member_whose_grow_reaches_a_restarted_coordinator_first_is_listed_once() -> None:
+    # Mechanism 2: b's Enter(GROW) reaches the restarted coordinator before
+    # b's heartbeat. It used to wait among the joiners, and be placed as a
+    # member too by its heartbeat: epoch 4 listed it twice (world 4 of 3).
+    m = ElasticMembership(heartbeat_timeout=1.0, join_window=0.05)
+    _beat(m, "a", 3, 0, 3)
+    _beat(m, "c", 3, 2, 3)
+    b = _enter(m, "b", rpb.ENTER_GROW, 3)
+    await asyncio.sleep(0.05)
+    assert not b.done() and "b" not in m.joiners
+    _beat(m, "b", 3, 1, 3)
+    answers = await asyncio.gather(
+        b, _enter(m, "a", rpb.ENTER_GROW, 3), _enter(m, "c", rpb.ENTER_GROW, 3)
+    )
+    assert _placed(answers) == [(4, 1, 3, 3), (4, 0, 3, 3), (4, 2, 3, 3)]
+    assert m.members == ["a", "b", "c"]
+    # And a process already listed as a joiner is never listed twice: the
+    # round is built of the kept, then joiners that are not kept.
+    m.joiners["a"] = m.entries["a"]
+    _beat(m, "a", 4, 0, 3)
+    grow = [_enter(m, p, rpb.ENTER_GROW, 4) for p in ("a", "b", "c")]
+    answers = await asyncio.gather(*grow)
+    assert [a.world_size for a in answers] == [3, 3, 3] and m.members == ["a", "b", "c"]
+
+
+@pytest.mark.timeout(30)
+async def test_a_restarted_coordinator_decides_commits_once_for_everyone() -> None:
+    # Mechanism 3's rule: nothing is granted on a guess. A commit of an
+    # epoch not adopted yet waits for the heartbeats; a sync is granted
+    # once every member finished it, or when a member's heartbeat says the
+    # coordinator before the restart had committed it.
+    m = ElasticMembership(heartbeat_timeout=0.5, join_window=0.05)
+    early = _commit(m, "a", 5, 0)
+    await asyncio.sleep(0.1)
+    assert not early.done()  # it used to be granted at once
+    for rank, peer in enumerate(("a", "b", "c")):
+        _beat(m, peer, 5, rank, 3)
+    others = [_commit(m, p, 5, 0) for p in ("b",)]
+    await asyncio.sleep(0.1)
+    assert not early.done() and not others[0].done()  # c has not finished sync 0
+    assert await asyncio.gather(early, *others, _commit(m, "c", 5, 0)) == [True, True, True]
+    # Sync 1: a and b ask; c heard the old coordinator's verdict (its
+    # heartbeat says 2 committed): granted to both.
+    asking = [_commit(m, p, 5, 1) for p in ("a", "b")]
+    await asyncio.sleep(0.05)
+    assert not any(t.done() for t in asking)
+    _beat(m, "c", 5, 2, 3, committed=2)
+    assert await asyncio.gather(*asking) == [True, True]
+    # Sync 2, with c lost meanwhile: a RECOVER refuses it to everyone.
+    asking = [_commit(m, p, 5, 2) for p in ("a", "b")]
+    await asyncio.sleep(0.05)
+    recover = [_enter(m, p, rpb.ENTER_RECOVER, 5, [2]) for p in ("a", "b")]
+    assert await asyncio.gather(*asking) == [False, False]
+    assert _placed(await asyncio.gather(*recover)) == [(6, 0, 2, 2), (6, 1, 2, 2)]
+    # A late commit of the replaced epoch: refused too.
+    assert await _commit(m, "c", 5, 2) is False
+
+
+@pytest.mark.timeout(30)
+async def test_forged_heartbeats_and_commits_change_nothing() -> None:
+    # Issue 55 item 12: without a token anyone may call; an epoch this
+    # coordinator did not form is refused once it holds a group.
+    m = ElasticMembership(heartbeat_timeout=0.3, join_window=0.05, initial_world_size=2, quiet=0)
+    await asyncio.gather(*(_enter(m, p, rpb.ENTER_JOIN, 0) for p in ("a", "b")))
+    assert m.epoch == 1
+    forged = _beat(m, "mallory", 100, 0, 2)
+    assert not forged.member and m.epoch == 1 and m.members == ["a", "b"] and m.refused == 1
+    # Absurd sizes are never adopted (nor allocated).
+    fresh = ElasticMembership(heartbeat_timeout=0.3, join_window=0.05)
+    assert not _beat(fresh, "mallory", 3, 0, 2_000_000_000).member and fresh.epoch == 0
+    # A commit of an epoch never formed is not granted (it waits for an
+    # adoption that does not come, then is refused); nor is one from a
+    # process that is no member.
+    with pytest.raises(NotAdopted):
+        await m.commit(rpb.CommitRequest(peer_id="a", epoch=10**12, n=0))
+    assert await _commit(m, "mallory", 1, 0) is False
+    # The real members' commits still work.
+    assert await asyncio.gather(_commit(m, "a", 1, 0), _commit(m, "b", 1, 0)) == [True, True]
+
+
+@pytest.mark.timeout(30)
+async def test_a_process_that_entered_a_forming_epoch_and_went_silent_is_dropped() -> None:
+    # Mechanism 5: d is lost; b enters the recovery round, then dies (no
+    # heartbeat); c has not entered yet. b used to be kept because it had
+    # entered, so the new epoch listed a dead process (and a round that
+    # waited on another's Enter could wait forever).
+    clock = Clock()
+    m = ElasticMembership(
+        heartbeat_timeout=2.0, join_window=0.05, initial_world_size=4, clock=clock, quiet=0
+    )
+    await asyncio.gather(*(_enter(m, p, rpb.ENTER_JOIN, 0) for p in "abcd"))
+    a = _enter(m, "a", rpb.ENTER_RECOVER, 1, [3])
+    b = _enter(m, "b", rpb.ENTER_RECOVER, 1, [3])
+    await asyncio.sleep(0.01)
+    assert m.round is not None and "b" in m.round.entered
+    clock.now += 2.5
+    for peer, rank in (("a", 0), ("c", 2)):
+        _beat(m, peer, 1, rank, 4)
+    m.check_silence()
+    assert m.round is not None and "b" not in m.round.order and m.round.dropped == [1, 3]
+    c = _enter(m, "c", rpb.ENTER_RECOVER, 1, [3])
+    assert _placed(await asyncio.gather(a, c)) == [(2, 0, 2, 2), (2, 1, 2, 2)]
+    # b, dropped after it entered, waits as a joiner (it lacks epoch 2's
+    # state): the next GROW admits it.
+    await asyncio.sleep(0.01)
+    assert not b.done() and "b" in m.joiners
+    _beat(m, "b", 1, 1, 4)
+    grow = [_enter(m, p, rpb.ENTER_GROW, 2) for p in ("a", "c")]
+    assert _placed(await asyncio.gather(b, *grow)) == [(3, 2, 3, 2), (3, 0, 3, 2), (3, 1, 3, 2)]
+
+
+@pytest.mark.timeout(30)
+async def test_a_joiner_with_another_min_world_size_is_refused_and_the_group_goes_on() -> None:
+    # Issue 55 item 8: one joiner's min_world_size used to become the
+    # group's (the largest ever seen), and every member lost its quorum.
+    m = ElasticMembership(heartbeat_timeout=2.0, join_window=0.05, initial_world_size=2, quiet=0)
+    await asyncio.gather(*(_enter(m, p, rpb.ENTER_JOIN, 0, min_world_size=1) for p in ("a", "b")))
+    # Its heartbeat, before it enters, changes nothing either.
+    m.heartbeat(rpb.HeartbeatRequest(peer_id="j", min_world_size=5))
+    with pytest.raises(SettingMismatch, match="min_world_size 5.*runs with 1"):
+        await _enter(m, "j", rpb.ENTER_JOIN, 0, min_world_size=5)
+    assert m.min_world_size == 1 and "j" not in m.joiners
+    # The members go on: a RECOVER down to one member keeps the quorum.
+    assert _placed([await _enter(m, "a", rpb.ENTER_RECOVER, 1, [1], min_world_size=1)]) == [
+        (2, 0, 1, 1)
+    ]
+    # A joiner with the group's value is admitted.
+    ok = _enter(m, "k", rpb.ENTER_JOIN, 0, min_world_size=1)
+    await asyncio.sleep(0.01)
+    answers = await asyncio.gather(ok, _enter(m, "a", rpb.ENTER_GROW, 2))
+    assert _placed(answers) == [(3, 1, 2, 1), (3, 0, 2, 1)]
+    # A restarted coordinator learns the value from the members' heartbeats.
+    r = ElasticMembership(heartbeat_timeout=2.0, join_window=0.05)
+    _beat(r, "a", 3, 0, 2, min_world_size=1)
+    with pytest.raises(SettingMismatch):
+        await _enter(r, "x", rpb.ENTER_JOIN, 0, min_world_size=2)
