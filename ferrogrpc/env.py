@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from .errors import ConfigError
-from .options import DEFAULT_GRPC_WINDOW, ChunkPolicy, Timeouts, TLSConfig
+from .options import DEFAULT_GRPC_WINDOW, ChunkPolicy, Timeouts, TLSConfig, check_token
 from .transport.integrity import Checksum, checksum_by_name, default_checksum
 
 # torch's env:// variables, read when init_backend's arguments are left None.
@@ -200,6 +200,11 @@ class Settings:
     log_format: str | None = None
     log_level: str | None = None
 
+    def __post_init__(self) -> None:
+        # Every source of a token but the environment (checked, and named,
+        # in from_env): init_backend's and Peer.start's token=, pg_options.
+        check_token(self.token, "the token argument (token=)")
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         """Read every variable ferrogrpc knows (README, Configuration).
@@ -250,6 +255,8 @@ class Settings:
                     f"{GRPC_WINDOW_ENV}={env.get(GRPC_WINDOW_ENV)!r}: use bytes (65536 to "
                     "2147483647) or auto"
                 )
+        token = env.get(TOKEN_ENV) or None
+        check_token(token, TOKEN_ENV)
         threads = _int(env, REDUCE_THREADS_ENV)
         if threads is not None and threads < 0:
             raise ConfigError(f"{REDUCE_THREADS_ENV}={threads} must be 0 or more")
@@ -268,7 +275,7 @@ class Settings:
             timeouts=timeouts,
             chunk_policy=policy,
             checksum=checksum_by_name(env.get(CHECKSUM_ENV) or "crc32", CHECKSUM_ENV),
-            token=env.get(TOKEN_ENV) or None,
+            token=token,
             tls=_tls(env),
             reduce_threads=1 if threads is None else threads,
             malloc_tuning=(

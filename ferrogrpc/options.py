@@ -122,3 +122,28 @@ class TLSConfig:
                 return cls(c.read(), k.read(), a.read(), server_name)
         except OSError as exc:
             raise ConfigError(f"cannot read TLS files: {exc}") from exc
+
+
+def check_token(token: object, source: str) -> None:
+    """Raise ConfigError unless ``token`` (None or "": no token) can travel
+    as gRPC metadata: a string of printable ASCII (0x20 to 0x7E), with no
+    space at either end. Otherwise one host accepts it and every RPC then
+    fails at the sender with ``INTERNAL: Invalid metadata``, which reads as
+    a failed peer. ``source`` names where it came from (the variable, the
+    argument). The message never shows the token, only what is wrong."""
+    if token is None or token == "":
+        return
+    rule = (
+        "a token may hold only printable ASCII characters (0x20 to 0x7E: letters, digits, "
+        "punctuation and space, as a gRPC metadata value must), with no space at either end"
+    )
+    if not isinstance(token, str):
+        raise ConfigError(f"{source}: {rule}; this one is a {type(token).__name__}, not a string")
+    for i, c in enumerate(token):
+        if not " " <= c <= "~":
+            kind = "a control character" if ord(c) < 0x20 or ord(c) == 0x7F else "not ASCII"
+            raise ConfigError(
+                f"{source}: {rule}; this one has U+{ord(c):04X} ({kind}) at position {i}"
+            )
+    if token != token.strip(" "):
+        raise ConfigError(f"{source}: {rule}; this one starts or ends with a space")

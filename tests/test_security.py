@@ -357,6 +357,39 @@ def test_token_through_init_backend(how: str, monkeypatch: pytest.MonkeyPatch) -
             b.close()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["FERROGRPC_TOKEN", "token="])
+@pytest.mark.parametrize(
+    ("token", "wrong"),
+    [
+        ("s3cret\ntoken", "U+000A (a control character) at position 6"),
+        ("s3crét-token", "U+00E9 (not ASCII) at position 4"),
+        (" s3cret-token", "starts or ends with a space"),
+    ],
+)
+def test_a_token_grpc_cannot_carry_is_refused_at_start(
+    how: str, token: str, wrong: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It would pass every local check and then fail each RPC at its sender
+    # with INTERNAL: Invalid metadata, which named a healthy peer.
+    options: dict[str, object] = {"timeouts": FAST}
+    if how == "token=":
+        options["token"] = token
+    else:
+        monkeypatch.setenv("FERROGRPC_TOKEN", token)
+    group: list[fg.Backend] = []
+    try:
+        with pytest.raises(fg.ConfigError) as caught:
+            group = backends(2, **options)
+    finally:
+        for b in group:
+            b.close()
+    message = str(caught.value)
+    source = "FERROGRPC_TOKEN" if how == "FERROGRPC_TOKEN" else "token="
+    assert source in message and "printable ASCII" in message and wrong in message, message
+    assert token.strip() not in message  # a secret is never echoed
+
+
 async def test_rogue_neighbour_during_a_collective_changes_nothing() -> None:
     async with fg.testing.local_group(3, timeouts=FAST) as peers:
         n = 1 << 16

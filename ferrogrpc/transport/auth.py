@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from ..options import TLSConfig
+from ..options import TLSConfig, check_token
 
 TOKEN_METADATA_KEY = "x-ferrogrpc-token"
 
@@ -23,7 +23,9 @@ Metadata = tuple[tuple[str, str], ...]
 
 
 def token_metadata(token: str | None) -> Metadata:
-    """The metadata a client sends on every call: the token, if any."""
+    """The metadata a client sends on every call: the token, if any.
+    ConfigError for a token gRPC cannot carry (options.check_token)."""
+    check_token(token, "token")
     return ((TOKEN_METADATA_KEY, token),) if token else ()
 
 
@@ -67,6 +69,9 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
 
 
 def interceptors(token: str | None) -> list[grpc.aio.ServerInterceptor]:  # type: ignore[type-arg]
+    """A server's interceptors: the token's, if any (ConfigError for a
+    token gRPC cannot carry: options.check_token)."""
+    check_token(token, "token")
     return [TokenInterceptor(token)] if token else []
 
 
