@@ -54,8 +54,8 @@ def bound(inputs: list[torch.Tensor], mean: bool, qmax: int = 127) -> torch.Tens
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_rounding_stays_within_127_and_half_a_step_at_every_magnitude(dtype: torch.dtype) -> None:
     # Each value lands within half an int8 step of its block's scale (the
-    # bound of [Note: int8 all-reduce]), at every magnitude the scale's
-    # float32 can hold: blocks at 10**-28 .. 10**36, each holding its
+    # bound of [Note: int8 all-reduce]), at every magnitude a float32 can
+    # hold: blocks at 10**-28 .. 10**36, each holding its
     # largest magnitude exactly (of either sign, and the largest magnitude
     # repeated), and a row of exact multiples.
     gen = torch.Generator().manual_seed(3)
@@ -68,7 +68,7 @@ def test_rounding_stays_within_127_and_half_a_step_at_every_magnitude(dtype: tor
     v[5] = torch.arange(-127, BLOCK - 127, dtype=torch.float64) * 0.37
     v = v.to(dtype)
     q = torch.empty(rows, BLOCK, dtype=torch.int8)
-    scales = torch.empty(rows, dtype=torch.float32)
+    scales = torch.empty(rows, dtype=dtype)  # the scales are in the tensor's dtype
     error = torch.empty_like(v)
     quantized.round_blocks(v, q, scales, error, torch.empty_like(v))
     assert int(q.min()) >= -127 and int(q.max()) <= 127
@@ -80,8 +80,12 @@ def test_rounding_stays_within_127_and_half_a_step_at_every_magnitude(dtype: tor
     sent = scales > quantized._TINY
     assert bool((lost[sent] <= step[sent] * (0.5 + 2e-5)).all())
     assert not q[~sent].any()
-    # What it reports as lost is what was lost, as a receiver sees it.
-    assert torch.allclose(error.double(), v.double() - q.double() * step, rtol=1e-6, atol=0)
+    # What it reports as lost is what was lost, as a receiver sees it (but
+    # for the rounding of q * scale in the tensor's dtype: an ulp of the
+    # block's largest magnitude).
+    lost = v.double() - q.double() * step
+    slack = 1e-6 * lost.abs() + torch.finfo(dtype).eps * 127 * step
+    assert bool(((error.double() - lost).abs() <= slack).all())
 
 
 def test_int4_packs_every_value_two_to_a_byte() -> None:
@@ -96,14 +100,14 @@ def test_int4_packs_every_value_two_to_a_byte() -> None:
     gen = torch.Generator().manual_seed(5)
     v = torch.randn(64, BLOCK, generator=gen, dtype=torch.float64)
     packed = torch.empty(64 * BLOCK // 2, dtype=torch.uint8)
-    scales = torch.empty(64, dtype=torch.float32)
+    scales = torch.empty(64, dtype=torch.float64)
     error = torch.empty_like(v)
     quantized.round_blocks(v, packed, scales, error, torch.empty_like(v), quantized.INT4)
     q = quantized.INT4.load(packed).view(64, BLOCK).double()
     assert int(q.min()) == -7 and int(q.max()) == 7
-    step = scales.double()[:, None]
+    step = scales[:, None]
     assert bool(((v - q * step).abs() <= step * (0.5 + 1e-6)).all())
-    assert torch.allclose(error, v - q * step, rtol=1e-6, atol=0)
+    assert bool(((error - (v - q * step)).abs() <= 1e-15 * step).all())
 
 
 # (numel, piece): one piece, or (the last) many that pipeline.
@@ -262,6 +266,150 @@ async def test_error_feedback_loses_nothing_over_the_calls(
     assert float(err[-3:].max()) < 1e-6  # the exact tail
 
 
+def _kinds(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return t.isnan(), t.isposinf(), t.isneginf()
+
+
+def _all_finite(feedback: ErrorFeedback) -> bool:
+    """Whether every error ``feedback`` carries (its pieces' too) is finite."""
+    carried = [t for f in [feedback, *feedback.parts] for t in (f.sent, f.owned) if t is not None]
+    return bool(carried) and all(bool(t.isfinite().all()) for t in carried)
+
+
+async def _reduce(
+    peers: list[fg.Peer],
+    inputs: list[torch.Tensor],
+    op: str,
+    wire: torch.dtype | None,
+    feedbacks: list[ErrorFeedback] | None = None,
+) -> torch.Tensor:
+    """Rank 0's result of an all-reduce of copies of ``inputs``; every rank's
+    is checked to be the same bits."""
+    out = [t.clone() for t in inputs]
+    fbs: list[ErrorFeedback | None] = list(feedbacks) if feedbacks else [None] * len(peers)
+    await asyncio.gather(
+        *(
+            p.all_reduce(t, op, wire_dtype=wire, feedback=f)
+            for p, t, f in zip(peers, out, fbs, strict=True)
+        )
+    )
+    for t in out[1:]:  # the same bits on every rank (NaN where rank 0 has NaN)
+        torch.testing.assert_close(t, out[0], rtol=0, atol=0, equal_nan=True)
+    return out[0]
+
+
+@pytest.mark.parametrize("wire", [torch.int8, INT4], ids=["int8", "int4"])
+async def test_inf_and_nan_come_back_in_the_elements_float32_gives_them_and_nowhere_else(
+    wire: torch.dtype,
+) -> None:
+    # Issue 55, item 5: one Inf used to make its whole block NaN (its
+    # block's scale was Inf). Now each non-finite element comes back as
+    # float32's all-reduce gives it: +Inf alone is +Inf, +Inf and -Inf make
+    # NaN, a NaN is NaN; every other element of those blocks is finite and
+    # within its bound (of a step of qmax - 1 there).
+    world, numel, qmax = 3, 5 * BLOCK + 17, 127 if wire == torch.int8 else 7
+    gen = torch.Generator().manual_seed(11)
+    inputs = [torch.randn(numel, generator=gen) for _ in range(world)]
+    inf = torch.inf
+    inputs[0][3] = inf  # +inf alone
+    inputs[1][BLOCK + 5] = -inf  # -inf alone
+    inputs[0][2 * BLOCK + 1], inputs[2][2 * BLOCK + 1] = inf, -inf  # both: NaN
+    inputs[1][2 * BLOCK + 9] = torch.nan
+    inputs[2][2 * BLOCK + 10], inputs[0][2 * BLOCK + 10] = inf, inf  # two ranks' +inf
+    inputs[2][numel - 1] = -inf  # in the padded last block
+    async with fg.testing.local_group(world, transport="grpc") as peers:
+        for op in ("sum", "mean"):
+            got = await _reduce(peers, inputs, op, wire)
+            full = await _reduce(peers, inputs, op, None)
+            for mine, float32s in zip(_kinds(got), _kinds(full), strict=True):
+                assert torch.equal(mine, float32s), mine.nonzero().squeeze(1).tolist()
+            assert int((~full.isfinite()).sum()) == 6
+            # The finite elements against the float64 reference of the finite
+            # inputs (the marked blocks' step is a largest magnitude / (qmax - 1)).
+            finite = full.isfinite()
+            clean = [t.masked_fill(~t.isfinite(), 0) for t in inputs]
+            reference = torch.stack([t.double() for t in clean]).sum(0)
+            if op == "mean":
+                reference /= world
+            err = (got.double() - reference).abs()[finite]
+            limit = bound(clean, op == "mean", qmax - 1)[finite]
+            assert bool((err <= limit).all()), float((err - limit).max())
+
+
+@pytest.mark.parametrize("wire", [torch.int8, INT4], ids=["int8", "int4"])
+async def test_a_sum_that_overflows_is_inf_of_its_sign_as_float32s(wire: torch.dtype) -> None:
+    # Issue 55, item 6: an overflowing float32 mean came back -inf with int4
+    # (an Inf block scale made NaN codes, which unpack as -8).
+    world, numel = 2, 3 * BLOCK
+    inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    for t in inputs:
+        t[7], t[BLOCK + 7] = 3e38, -3e38  # a sum past float32's largest, of each sign
+    async with fg.testing.local_group(world, transport="grpc") as peers:
+        for op in ("sum", "mean"):
+            got = await _reduce(peers, inputs, op, wire)
+            full = await _reduce(peers, inputs, op, None)
+            assert float(full[7]) == torch.inf and float(full[BLOCK + 7]) == -torch.inf
+            assert float(got[7]) == torch.inf and float(got[BLOCK + 7]) == -torch.inf
+            assert int((~got.isfinite()).sum()) == 2  # those two, not their blocks
+
+
+@pytest.mark.parametrize("wire", [torch.int8, INT4], ids=["int8", "int4"])
+async def test_float64_beyond_float32s_range_comes_back_within_the_bound(
+    wire: torch.dtype,
+) -> None:
+    # Issue 55, item 6: a float64 block above about 4e40 came back NaN (its
+    # scale, a float32, was Inf). The scales are in the tensor's dtype now.
+    world, qmax = 2, 127 if wire == torch.int8 else 7
+    gen = torch.Generator().manual_seed(4)
+    magnitude = 10.0 ** torch.linspace(-20, 300, 8, dtype=torch.float64).repeat_interleave(BLOCK)
+    inputs = [
+        torch.randn(magnitude.numel(), generator=gen, dtype=torch.float64) * magnitude
+        for _ in range(world)
+    ]
+    async with fg.testing.local_group(world, transport="grpc") as peers:
+        for op in ("sum", "mean"):
+            got = await _reduce(peers, inputs, op, wire)
+            assert bool(got.isfinite().all())
+            reference = torch.stack(inputs).sum(0) / (world if op == "mean" else 1)
+            err = (got - reference).abs()
+            limit = bound(inputs, op == "mean", qmax)
+            assert bool((err <= limit).all()), float((err / limit).max())
+
+
+@pytest.mark.parametrize("piece", [None, 2 * BLOCK])
+@pytest.mark.parametrize("wire", [torch.int8, INT4], ids=["int8", "int4"])
+async def test_error_feedback_never_carries_an_inf_into_later_calls(
+    wire: torch.dtype, piece: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 55, item 5: after one call in which a rank's input held an Inf,
+    # every later call returned NaN for that block: the carried error was
+    # NaN. A training loop that skips the step whose gradients are not
+    # finite (AMP's loss scaler) must recover at the next, as float32 does.
+    if piece is not None:
+        monkeypatch.setattr(quantized, "PIECE", piece)
+    world, numel, calls, qmax = 2, 3 * BLOCK + 40, 6, 127 if wire == torch.int8 else 7
+    gen = torch.Generator().manual_seed(8)
+    feedbacks = [ErrorFeedback() for _ in range(world)]
+    skipped = 0
+    async with fg.testing.local_group(world, transport="grpc") as peers:
+        for call in range(calls):
+            inputs = [torch.randn(numel, generator=gen) for _ in range(world)]
+            if call == 1:
+                inputs[1][BLOCK + 2] = torch.inf
+            got = await _reduce(peers, inputs, "mean", wire, feedbacks)
+            assert all(_all_finite(f) for f in feedbacks)
+            if not bool(got.isfinite().all()):  # the step is skipped
+                skipped += 1
+                assert call == 1 and (~got.isfinite()).nonzero().squeeze(1).tolist() == [BLOCK + 2]
+                continue
+            # Within one call's bound, plus the error carried in and out.
+            reference = torch.stack([t.double() for t in inputs]).mean(0)
+            err = (got.double() - reference).abs()
+            limit = 3 * bound(inputs, mean=True, qmax=qmax)
+            assert bool((err <= limit).all()), (call, float((err - limit).max()))
+    assert skipped == 1
+
+
 # A linear model on features of very different scales: feature 0's
 # gradient (scale 20, irrelevant to the target) sets its block's int8 step,
 # so the other features' small gradients round to zero without error
@@ -328,6 +476,70 @@ def test_ddp_int8_with_error_feedback_reaches_float32s_loss_and_without_it_does_
     record_property("int8 without feedback / float32", f"{plain / full:.4f}")
     assert abs(int8 - full) <= 0.01 * full, (int8, full)
     assert plain > 1.05 * full, (plain, full)
+
+
+INF_STEP = 40  # the step whose gradient holds an Inf, on rank 0
+
+
+def _train_skipping(mode: str) -> tuple[float, list[int]]:
+    """Train as :func:`_train` does (``mode``: "float32" or "int8"), but rank
+    0's gradient holds one Inf at INF_STEP, and a step whose synced
+    gradients are not all finite is skipped, as AMP's loss scaler skips
+    optimizer.step(). Returns the loss on all the data and the steps
+    skipped."""
+    x, y = _task()
+    group = backends(WORLD)
+
+    def rank(r: int) -> tuple[float, list[int]]:
+        model = nn.Linear(D, 1, bias=False)
+        nn.init.zeros_(model.weight)
+        ddp = fg.DDP(model, group[r], compression="int8" if mode == "int8" else None)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        step = 0
+
+        def overflow(grad: torch.Tensor) -> torch.Tensor:
+            if r == 0 and step == INF_STEP:
+                grad = grad.clone()
+                grad[0, 5] = torch.inf
+            return grad
+
+        model.weight.register_hook(overflow)
+        skipped = []
+        for step in range(STEPS):
+            lo = (step * WORLD + r) * BATCH
+            opt.zero_grad()
+            ((model(x[lo : lo + BATCH]).squeeze(-1) - y[lo : lo + BATCH]) ** 2).mean().backward()
+            ddp.sync_gradients()
+            grad = model.weight.grad
+            assert grad is not None
+            if not bool(grad.isfinite().all()):
+                skipped.append(step)
+                continue
+            opt.step()
+        with torch.no_grad():
+            return float(((model(x).squeeze(-1) - y) ** 2).mean()), skipped
+
+    try:
+        results = on_ranks(rank, WORLD)
+    finally:
+        for b in group:
+            b.close()
+    assert results[1] == results[0]  # the same model, the same steps skipped, on every rank
+    return results[0]
+
+
+@pytest.mark.timeout(60)
+def test_ddp_int8_skips_the_step_with_an_inf_gradient_and_trains_on_as_float32_does() -> None:
+    # Issue 55, item 5: the Inf's block used to be NaN at every later step
+    # (the carried error held NaN), so every later step was skipped.
+    full, full_skipped = _train_skipping("float32")
+    int8, int8_skipped = _train_skipping("int8")
+    assert full_skipped == [INF_STEP]
+    assert int8_skipped == [INF_STEP]  # only that step: every later one is finite
+    # The skipped step moves both trajectories (float32's loss 0.00146
+    # without it, 0.00157 with it); int8's stays near float32's (2.1% above
+    # at this seed, against 0.6% below without the skip).
+    assert abs(int8 - full) <= 0.05 * full, (int8, full)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -9,10 +9,12 @@ would be rounded only once. This all-reduce rounds each value exactly
 twice, whatever the world size:
 
 1. Every rank rounds its own tensor ``v`` to int8 in blocks of ``BLOCK``
-   elements, each block with its own float32 scale ``s = max|v_block| /
-   127``. The tensor is cut into ``world_size`` shards (whole blocks).
+   elements, each block with its own scale ``s = max|v_block| / 127``, in
+   the tensor's dtype (float32, or float64 for a float64 tensor: a float32
+   scale could not hold a float64 block above about 4e40). The tensor is
+   cut into ``world_size`` shards (whole blocks).
 2. An all-to-all sends shard j of every rank to rank j (int8 plus the
-   scales: 1 + 4/BLOCK bytes per element).
+   scales: 1 + 4/BLOCK bytes per element, 1 + 8/BLOCK for float64).
 3. Rank j dequantizes the ``world_size`` copies of its shard and adds them in
    rank order, in float32 (float64 for a float64 tensor), then divides by
    the world size for a mean.
@@ -22,6 +24,11 @@ twice, whatever the world size:
 
 Bytes: each rank sends (n-1)/n of the tensor twice, at 1 + 4/BLOCK bytes an
 element: about a quarter of a float32 ring's 2(n-1)/n x 4 bytes.
+
+Range: any finite value of the tensor's dtype is sent (a scale is at most
+the dtype's largest value / 127). A block whose largest magnitude is below
+127 x 1e-30 (int4: 7 x 1e-30) is sent as zeros. A sum or mean that
+overflows the dtype is Inf, of its sign, as float32's all-reduce gives.
 
 The bound. For an element in block b, with ``s_r`` rank r's scale of that
 block in step 1 and ``s_out`` the owner's in step 4 (each the block's
@@ -46,7 +53,23 @@ rounding error is lost: over many steps the applied updates follow the
 exact ones (the sum of what was sent equals the sum of the inputs, less
 the error still carried, which stays within one step's bound). A change of
 the world size (an elastic group's new epoch) changes the shards, and the
-carried error starts again from zero.
+carried error starts again from zero. The carried error is always finite:
+a non-finite element carries nothing (see [Note: non-finite values]).
+
+[Note: non-finite values]
+An Inf or NaN comes back where float32's all-reduce gives it, element by
+element, and nowhere else: a NaN or Infs of both signs make NaN, Infs of
+one sign that Inf (a finite sum that overflows too). The codes left free
+carry them: a block that holds a non-finite value rounds its finite values
+to -(qmax - 1)..qmax - 1 (a step of its largest finite magnitude / (qmax -
+1)), and sends -qmax for -Inf, qmax for +Inf and -(qmax + 1) for NaN (int8:
+-127, 127, -128; int4: -7, 7, -8), with its scale negated (its sign bit
+set, -0.0 for zero) to say so. Finding such a block costs no pass over the
+values: the blocks' largest magnitudes, computed anyway, are not finite
+there. With error feedback a non-finite element carries no error (the next
+call starts afresh there) and the block's finite elements carry theirs, so
+a training loop that skips the steps whose gradients are not finite (as
+AMP's loss scaler does) goes on as float32's would.
 """
 
 from __future__ import annotations
@@ -85,7 +108,6 @@ IN_FLIGHT = 3
 # elements, int4, world 2) cost a rank 2.55-2.68 ms of CPU per call so,
 # 3.1-3.55 ms with the hand-offs.
 INLINE_BELOW = 1 << 19
-_SCALE_BYTES = 4  # one float32 per block
 _TINY = 1e-30  # a block whose scale is below this is sent as zeros
 
 
@@ -177,6 +199,11 @@ class Format:
     bits: int
     qmax: float
 
+    @property
+    def nan_code(self) -> float:
+        """The code that sends NaN (see [Note: non-finite values])."""
+        return -self.qmax - 1
+
     def value_bytes(self, elements: int) -> int:
         """Bytes of ``elements`` values (a multiple of BLOCK)."""
         return elements * self.bits // 8
@@ -212,10 +239,10 @@ INT4: Final = Format("int4", 4, 7.0)
 FORMATS: Final = {torch.int8: INT8, INT4_DTYPE: INT4}
 
 
-def packed_bytes(elements: int, fmt: Format = INT8) -> int:
+def packed_bytes(elements: int, fmt: Format = INT8, dtype: torch.dtype = torch.float32) -> int:
     """Bytes of ``elements`` (a multiple of BLOCK) packed: their values, then
-    one float32 scale per block."""
-    return fmt.value_bytes(elements) + (elements // BLOCK) * _SCALE_BYTES
+    one scale per block, in the tensor's ``dtype``."""
+    return fmt.value_bytes(elements) + (elements // BLOCK) * dtype.itemsize
 
 
 def shard_elements(numel: int, world: int) -> int:
@@ -226,13 +253,13 @@ def shard_elements(numel: int, world: int) -> int:
 
 class _Packed:
     """A shard of ``elements`` packed in the uint8 ``raw``: its values in
-    ``fmt``, then its float32 scales."""
+    ``fmt``, then its scales in ``dtype`` (the tensor's)."""
 
-    def __init__(self, raw: torch.Tensor, elements: int, fmt: Format) -> None:
+    def __init__(self, raw: torch.Tensor, elements: int, fmt: Format, dtype: torch.dtype) -> None:
         self.fmt = fmt
         n = fmt.value_bytes(elements)
         self.values = raw[:n]
-        self.scales = raw[n : packed_bytes(elements, fmt)].view(torch.float32)
+        self.scales = raw[n : packed_bytes(elements, fmt, dtype)].view(dtype)
 
     def _span(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The bytes of elements [lo, hi) (whole blocks), and their scales."""
@@ -260,14 +287,22 @@ def round_blocks(
     fmt: Format = INT8,
 ) -> None:
     """Round the blocks ``v`` (rows of BLOCK) to ``fmt``'s integers, written
-    into ``q`` (:meth:`_Packed.slot`'s), with one float32 scale each
-    (largest magnitude / qmax, to nearest); write into ``error`` (``v``'s
-    shape; may be ``v`` itself) what the rounding lost, as the receivers
-    will see it. ``scratch``: as many elements as ``v``, its dtype."""
-    largest = torch.maximum(v.amax(dim=1), v.amin(dim=1).neg_())
-    scale32 = (largest / fmt.qmax).to(torch.float32)
-    scales.copy_(scale32)
-    scale = scale32.to(v.dtype)
+    into ``q`` (:meth:`_Packed.slot`'s), with one scale each into
+    ``scales`` (``v``'s dtype: largest magnitude / qmax, to nearest); write
+    into ``error`` (``v``'s shape; may be ``v`` itself) what the rounding
+    lost, as the receivers will see it (always finite). ``scratch``: as
+    many elements as ``v``, its dtype. A block holding an Inf or NaN goes as
+    [Note: non-finite values] says."""
+    # abs_: the largest of +0.0 and -0.0 may be -0.0, and a scale's sign bit
+    # marks a block holding a non-finite value.
+    largest = torch.maximum(v.amax(dim=1), v.amin(dim=1).neg_()).abs_()
+    # amax and amin propagate NaN, and an Inf is its own block's largest
+    # magnitude: a check of the maxima, not another pass over the values.
+    if not bool(largest.isfinite().all()):
+        _round_nonfinite(v, q, scales, error, fmt)
+        return
+    scale = largest.div_(fmt.qmax)
+    scales.copy_(scale)
     inverse = torch.where(scale > _TINY, scale.reciprocal(), torch.zeros_like(scale))
     t = scratch.view(v.shape)
     torch.mul(v, inverse[:, None], out=t)
@@ -279,8 +314,42 @@ def round_blocks(
     fmt.store(q, t)
 
 
-def add_blocks(into: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, first: bool) -> None:
-    """``into`` (rows of BLOCK) = (or +=, unless ``first``) ``q * scales``."""
+def _round_nonfinite(
+    v: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    error: torch.Tensor | None,
+    fmt: Format,
+) -> None:
+    """:func:`round_blocks` of blocks some of which hold an Inf or NaN: see
+    [Note: non-finite values]. Rare, so it allocates as it likes."""
+    # Read before ``error`` (which may be ``v``) is written.
+    nan, pos, neg = v.isnan(), v == torch.inf, v == -torch.inf
+    bad = nan | pos | neg
+    finite = v.masked_fill(bad, 0)
+    marked = bad.any(dim=1)
+    largest = finite.abs().amax(dim=1)
+    scale = largest / torch.where(marked, fmt.qmax - 1, fmt.qmax).to(v.dtype)
+    inverse = torch.where(scale > _TINY, scale.reciprocal(), torch.zeros_like(scale))
+    t = finite.mul_(inverse[:, None]).round_()
+    if error is not None:
+        # Zero where ``bad``: there ``finite`` and ``t`` are 0.
+        torch.addcmul(v.masked_fill(bad, 0), t, scale[:, None], value=-1, out=error)
+    t.masked_fill_(nan, fmt.nan_code).masked_fill_(pos, fmt.qmax).masked_fill_(neg, -fmt.qmax)
+    scales.copy_(torch.where(marked, scale.neg(), scale))
+    fmt.store(q, t)
+
+
+def add_blocks(
+    into: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, first: bool, fmt: Format
+) -> None:
+    """``into`` (rows of BLOCK) = (or +=, unless ``first``) ``q * scales``,
+    and the non-finite values of the blocks that hold any (a scale with its
+    sign bit set: [Note: non-finite values])."""
+    marked = scales.signbit()
+    if bool(marked.any()):
+        _add_nonfinite(into, q, scales, first, fmt, marked)
+        return
     scale = scales.to(into.dtype)[:, None]
     if first:
         # A widening copy, then a multiply of one dtype: three times the
@@ -289,6 +358,27 @@ def add_blocks(into: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, first:
         into.mul_(scale)
     else:
         into.addcmul_(q, scale)
+
+
+def _add_nonfinite(
+    into: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    first: bool,
+    fmt: Format,
+    marked: torch.Tensor,
+) -> None:
+    """:func:`add_blocks` where the ``marked`` blocks hold non-finite values:
+    the others as usual (the marked ones add zero), then the marked ones."""
+    add_blocks(into, q, scales.masked_fill(marked, 0), first, fmt)
+    rows = marked.nonzero().squeeze(1)
+    codes = q[rows]
+    values = codes.to(into.dtype).mul_(scales[rows].abs().to(into.dtype)[:, None])
+    values.masked_fill_(codes == fmt.nan_code, torch.nan)
+    values.masked_fill_(codes == fmt.qmax, torch.inf).masked_fill_(codes == -fmt.qmax, -torch.inf)
+    # inf + finite is inf, inf + -inf and NaN + anything NaN: the sum of the
+    # ranks' values is float32's, element by element.
+    into[rows] = values if first else into[rows] + values
 
 
 @dataclasses.dataclass
@@ -444,8 +534,8 @@ def _all_reduce_piece(
     exact = min(feedback.exact, tensor.numel()) if feedback is not None else 0
     numel = tensor.numel() - exact
     shard = shard_elements(numel, world)
-    row = packed_bytes(shard, fmt)
-    compute = tensor.dtype  # float32 or float64
+    compute = tensor.dtype  # float32 or float64: the scales' dtype too
+    row = packed_bytes(shard, fmt, compute)
     tail = exact * tensor.element_size()
     # An all-to-all row: a packed shard, then the exact tail, both 8-byte
     # aligned (a float64 tail is viewed where it lies).
@@ -485,7 +575,7 @@ def _all_reduce_piece(
             assert carried is not None
             carried[:numel].add_(flat)  # now the values to send (the error, after)
         for j in range(world):
-            out = _Packed(send[j * stride : j * stride + row], shard, fmt)
+            out = _Packed(send[j * stride : j * stride + row], shard, fmt, compute)
             for lo in range(j * shard, (j + 1) * shard, CHUNK):
                 hi = min(lo + CHUNK, (j + 1) * shard)
                 if carried is not None:
@@ -508,15 +598,18 @@ def _all_reduce_piece(
                 send[at : at + tail].copy_(unrounded.view(torch.uint8))
 
     def reduce_owned() -> None:
-        ins = [_Packed(received[r * stride : r * stride + row], shard, fmt) for r in range(world)]
+        ins = [
+            _Packed(received[r * stride : r * stride + row], shard, fmt, compute)
+            for r in range(world)
+        ]
         owned = feedback.owned if feedback is not None else None
-        out = _Packed(mine, shard, fmt)
+        out = _Packed(mine, shard, fmt, compute)
         total = padded
         for lo in range(0, shard, CHUNK):
             hi = min(lo + CHUNK, shard)
             blocks = total[: hi - lo].view(-1, BLOCK)
             for r in range(world):  # rank order: the same sum on any rank
-                add_blocks(blocks, *ins[r].chunk(lo, hi), first=r == 0)
+                add_blocks(blocks, *ins[r].chunk(lo, hi), first=r == 0, fmt=fmt)
             if op == ReduceOp.MEAN:
                 blocks.div_(world)
             err: torch.Tensor | None = None
@@ -536,15 +629,15 @@ def _all_reduce_piece(
         direct = direct and tensor.is_contiguous()
         result = flat if direct else torch.empty(tensor.numel(), dtype=compute)
         for j in range(world):
-            part = _Packed(gathered[j * row : (j + 1) * row], shard, fmt)
+            part = _Packed(gathered[j * row : (j + 1) * row], shard, fmt, compute)
             for lo in range(j * shard, min((j + 1) * shard, numel), CHUNK):
                 hi = min(lo + CHUNK, (j + 1) * shard)
                 q, scales = part.chunk(lo - j * shard, hi - j * shard)
                 if hi <= numel:
-                    add_blocks(result[lo:hi].view(-1, BLOCK), q, scales, first=True)
+                    add_blocks(result[lo:hi].view(-1, BLOCK), q, scales, True, fmt)
                 else:
                     staged = padded[: hi - lo].view(-1, BLOCK)
-                    add_blocks(staged, q, scales, first=True)
+                    add_blocks(staged, q, scales, True, fmt)
                     result[lo:numel].copy_(staged.view(-1)[: numel - lo])
         result[numel:].copy_(exact_sum)
         if not direct:

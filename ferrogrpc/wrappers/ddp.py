@@ -126,7 +126,11 @@ class DDP(nn.Module):
     same on every rank. Error feedback: what a bucket's rounding lost on
     this rank is added to that bucket's next sync, so no gradient is lost
     over the steps. The carried error is per rank and starts again from
-    zero when the world size changes (an elastic group's new epoch).
+    zero when the world size changes (an elastic group's new epoch). It is
+    always finite: a gradient's Inf or NaN comes back in the elements where
+    float32's would (see [Note: non-finite values]) and is not carried, so a
+    loop that skips the steps whose gradients are not finite (as AMP's loss
+    scaler does) gets finite gradients again at the next step.
 
     Failure: if an all-reduce fails, ``sync_gradients()`` raises the
     backend's error and every ``.grad`` is left exactly as it was before the
