@@ -208,3 +208,89 @@ def test_faulthandler_never_dumps_in_a_green_run() -> None:
         f"faulthandler_timeout {ini['faulthandler_timeout']} is not above the longest test "
         f"timeout, {longest:g}s ({[w for w, t in marks.items() if t == longest]})"
     )
+
+
+# A rank of an env:// job: init_backend, then one JSON line with how long it
+# took and what it raised. torch is imported first: its import is no part
+# of the rendezvous.
+RENDEZVOUS_RANK = """
+import json, time
+import torch, torch.distributed
+import ferrogrpc as fg
+start = time.monotonic()
+try:
+    fg.init_backend().close()
+    out = {"error": None, "message": ""}
+except fg.FerroGrpcError as exc:
+    out = {"error": type(exc).__name__, "message": str(exc)}
+out["elapsed"] = time.monotonic() - start
+print(json.dumps(out))
+"""
+CONNECT_S = 5.0
+
+
+def _rendezvous_ranks(ranks: list[tuple[int, int, int]]) -> list[tuple[dict[str, object], str]]:
+    """Run one process per (RANK, WORLD_SIZE, MASTER_PORT) at once, with a
+    connect timeout of CONNECT_S; each one's JSON line and its stderr."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RENDEZVOUS_RANK],
+            env=dict(
+                clean_env(),
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                FERROGRPC_CONNECT_TIMEOUT=str(CONNECT_S),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, world, port in ranks
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out + err
+        results.append((json.loads(out.strip().splitlines()[-1]), err))
+    return results
+
+
+def _one_line_in_time(result: dict[str, object], stderr: str) -> None:
+    # The connect timeout, honoured (within 10% and a second), and no C++
+    # stack trace from torch's store on the way.
+    assert float(result["elapsed"]) <= CONNECT_S * 1.1 + 1, result  # type: ignore[arg-type]
+    assert "frame #" not in stderr and "c10d" not in stderr, stderr[-3000:]
+    assert "\n" not in str(result["message"]), result
+
+
+@pytest.mark.timeout(90)
+def test_env_rendezvous_names_the_missing_rank_within_the_connect_timeout() -> None:
+    # Ranks 0 and 1 of WORLD_SIZE=3, rank 2 never comes; and, elsewhere, a
+    # rank 1 whose rank 0 never comes (nothing listens at MASTER_PORT).
+    port, lonely = free_port(), free_port()
+    (r0, e0), (r1, e1), (alone, e2) = _rendezvous_ranks(
+        [(0, 3, port), (1, 3, port), (1, 2, lonely)]
+    )
+    for result, stderr in ((r0, e0), (r1, e1)):
+        assert result["error"] == "RendezvousError", result
+        assert "rank 2 of WORLD_SIZE=3 did not publish" in str(result["message"]), result
+        assert "published: ranks 0, 1" in str(result["message"]), result
+        _one_line_in_time(result, stderr)
+    assert alone["error"] == "RendezvousError", alone
+    assert f"no TCPStore answered at 127.0.0.1:{lonely} within 5s" in str(alone["message"])
+    _one_line_in_time(alone, e2)
+
+
+@pytest.mark.timeout(90)
+def test_env_ranks_that_disagree_on_world_size_are_told_so() -> None:
+    port = free_port()
+    results = _rendezvous_ranks([(0, 2, port), (1, 3, port)])
+    for result, stderr in results:
+        assert result["error"] == "ConfigError", result
+        message = str(result["message"])
+        assert "WORLD_SIZE=2 on rank 0; WORLD_SIZE=3 on rank 1" in message, result
+        # Told as soon as both published: not at the connect timeout.
+        assert float(result["elapsed"]) < CONNECT_S, result  # type: ignore[arg-type]
+        assert "frame #" not in stderr, stderr[-3000:]

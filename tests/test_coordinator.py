@@ -628,3 +628,34 @@ def test_the_coordinator_its_healthcheck_and_status_import_no_torch() -> None:
             "assert 'ferrogrpc' in dist.Backend.backend_list, dist.Backend.backend_list\n"
         )
         assert _torch(_imported("-c", code)), (first, then)
+
+
+async def test_a_coordinator_waiting_for_ranks_is_told_from_nothing_listening() -> None:
+    # Both used to end in the same DEADLINE_EXCEEDED (issue 55): a
+    # coordinator that is up says how many joined, and nothing listening
+    # says so; each within the connect timeout (10% and a second).
+    connect = 3.0
+    coordinator = Coordinator(3)
+    port = await coordinator.start("127.0.0.1:0")
+    try:
+        target = f"127.0.0.1:{port}"
+        joiners = [CoordinatorRendezvous(target, timeout=connect) for _ in range(2)]
+        start = time.monotonic()
+        errors = await asyncio.gather(
+            *(j.exchange(None, None, f"h{i}:1", f"n{i}") for i, j in enumerate(joiners)),
+            return_exceptions=True,
+        )
+        elapsed = time.monotonic() - start
+        for error in errors:
+            assert isinstance(error, fg.RendezvousError), error
+            assert f"the coordinator at {target} is up" in str(error), error
+            assert "2 of 3 joined (ranks 0, 1)" in str(error), error
+        assert elapsed <= connect * 1.1 + 1, elapsed
+        await asyncio.gather(*(j.close() for j in joiners))
+    finally:
+        await coordinator.stop(0)
+    nobody = f"127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(fg.RendezvousError, match=f"no coordinator answered at {nobody}"):
+        await CoordinatorRendezvous(nobody, timeout=connect).exchange(None, None, "h:1", "n")
+    assert time.monotonic() - start <= connect * 1.1 + 1

@@ -26,6 +26,11 @@ logger = logging.getLogger("ferrogrpc.coordinator")
 
 # How long a closing rank tries to tell the coordinator it is leaving.
 LEAVING_S = 1.0
+# How long before its Join gives up a rank asks the coordinator's status, to
+# say why the group did not form: up and waiting for ranks (and how many
+# joined), or not answering at all. Asked before, not after: a Join that
+# ended frees its slot, and the count would leave this rank out.
+STATUS_LEAD_S = 0.5
 
 SERVICE = "ferrogrpc.v1.Rendezvous"
 
@@ -67,6 +72,8 @@ class CoordinatorRendezvous:
         self.run_id = ""
         self._channel: grpc.aio.Channel | None = None
         self._task: asyncio.Task[None] | None = None
+        # The connect timeout counts from here, init_backend's start.
+        self.created = time.monotonic()
 
     async def exchange(
         self, rank: int | None, world_size: int | None, address: str, nonce: str, host: str = ""
@@ -81,25 +88,32 @@ class CoordinatorRendezvous:
             nonce=nonce,
             host=host,
         )
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                response = await join(
-                    request,
-                    timeout=max(1.0, deadline - time.monotonic()),
-                    wait_for_ready=True,
-                    metadata=self._metadata,
-                )
-                break
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline:
-                    await asyncio.sleep(0.5)
-                    continue
-                await channel.close(None)
-                raise RendezvousError(
-                    f"joining the coordinator at {self.target} failed: "
-                    f"{exc.code().name} {exc.details()}"
-                ) from exc
+        deadline = self.created + self.timeout
+        status = asyncio.ensure_future(self._status_before(channel, deadline))
+        try:
+            while True:
+                try:
+                    response = await join(
+                        request,
+                        timeout=max(1.0, deadline - time.monotonic()),
+                        wait_for_ready=True,
+                        metadata=self._metadata,
+                    )
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    code = exc.code()
+                    if code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline:
+                        await asyncio.sleep(0.5)
+                        continue
+                    await channel.close(None)
+                    if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                        raise RendezvousError(self._not_formed(await status)) from exc
+                    raise RendezvousError(
+                        f"joining the coordinator at {self.target} failed: "
+                        f"{code.name} {exc.details()}"
+                    ) from exc
+        finally:
+            status.cancel()
         if world_size is not None and world_size != response.world_size:
             await channel.close(None)
             raise ConfigError(
@@ -114,6 +128,43 @@ class CoordinatorRendezvous:
             list(response.addresses),
             list(response.nonces),
             list(response.hosts),
+        )
+
+    async def _status_before(
+        self, channel: grpc.aio.Channel, deadline: float
+    ) -> rpb.StatusResponse | None:
+        """The coordinator's status, asked STATUS_LEAD_S before ``deadline``;
+        None if it did not answer (nothing listens there, or it is not a
+        coordinator)."""
+        await asyncio.sleep(max(0.0, deadline - time.monotonic() - STATUS_LEAD_S))
+        ask = _stub(channel, "Status", rpb.StatusRequest, rpb.StatusResponse)
+        try:
+            answer: rpb.StatusResponse = await ask(
+                rpb.StatusRequest(), timeout=STATUS_LEAD_S, metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError:
+            return None
+        return answer
+
+    def _not_formed(self, status: rpb.StatusResponse | None) -> str:
+        """Why the group did not form within the timeout, from ``status``."""
+        if status is None:
+            return (
+                f"no coordinator answered at {self.target} within {self.timeout:g}s: is "
+                "`ferrogrpc coordinator` running there, and reachable from this host?"
+            )
+        ranks = [str(m.rank) for m in status.members]
+        listed = f" ({'rank' if len(ranks) == 1 else 'ranks'} {', '.join(ranks)})" if ranks else ""
+        of = f" of {status.world_size}" if status.world_size else ""
+        joined = f"{status.joined}{of} joined{listed}"
+        if status.world_size:
+            waits = f"it waits for all {status.world_size}"
+        else:
+            waits = "it sizes the group by who joins, and waits for at least its --min-ranks"
+        return (
+            f"the coordinator at {self.target} is up, but the group did not form within "
+            f"{self.timeout:g}s: {joined}; {waits}. Start the missing ranks, or raise "
+            "FERROGRPC_CONNECT_TIMEOUT"
         )
 
     def start_heartbeats(self, current: Callable[[], tuple[str, int]]) -> None:

@@ -14,10 +14,21 @@ import ipaddress
 import json
 import os
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ..errors import ConfigError, RendezvousError
+
+# How often a rank waiting on the store looks again: at first often (the
+# last rank is usually moments away), then at most this far apart. Polling
+# (``check``), not ``store.wait``: a wait that times out says neither who is
+# missing nor that the ranks disagree, and torch logs C++ warnings for it.
+POLL_FIRST_S = 0.002
+POLL_MAX_S = 0.05
+# How often the ranks already published are read for their WORLD_SIZE while
+# others are awaited (one store read per rank).
+SCAN_S = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,24 +89,92 @@ def exchange_through_store(
     timeout: float,
     *,
     hosted_here: bool,
+    deadline: float | None = None,
+    where: str = "the store",
 ) -> list[dict[str, str]]:
     """The store rendezvous, ours (StoreRendezvous) and the torch backend's
-    alike: set this rank's ``entry`` under ``prefix``, wait for every rank's,
-    and return the table in rank order. With ``hosted_here`` (rank 0 of this
-    job serves the store, and stops it once the exchange is done), every
-    rank then says it has read the table, and rank 0 returns only once all
-    have: the store's last reader decides when it may go. Raises the
-    store's RuntimeError or OSError."""
-    wait = datetime.timedelta(seconds=timeout)
-    store.set(f"{prefix}peer/{rank}", json.dumps(entry))
+    alike: set this rank's ``entry`` (with its world size) under ``prefix``,
+    wait for every rank's, and return the table in rank order. With
+    ``hosted_here`` (rank 0 of this job serves the store, and stops it once
+    the exchange is done), every rank then says it has read the table, and
+    rank 0 returns only once all have: the store's last reader decides when
+    it may go. Everything ends by ``deadline`` (``time.monotonic()``;
+    default ``timeout`` from now).
+
+    Raises ConfigError when the ranks disagree on the world size (as soon as
+    one that disagrees has published), RendezvousError naming the ranks
+    still missing at the deadline (``where`` names the store for it), and
+    the store's own RuntimeError or OSError."""
+    if deadline is None:
+        deadline = time.monotonic() + timeout
+    store.set(f"{prefix}peer/{rank}", json.dumps({**entry, "world_size": str(world_size)}))
     keys = [f"{prefix}peer/{r}" for r in range(world_size)]
-    store.wait(keys, wait)
-    table = [json.loads(store.get(k).decode()) for k in keys]
+    _await_keys(store, keys, rank, world_size, deadline, timeout, f"its address to {where}")
+    table: list[dict[str, str]] = [json.loads(store.get(k).decode()) for k in keys]
+    _check_world_sizes(dict(enumerate(table)), rank, world_size)
     if hosted_here:
         store.set(f"{prefix}read/{rank}", "1")
         if rank == 0:
-            store.wait([f"{prefix}read/{r}" for r in range(world_size)], wait)
+            reads = [f"{prefix}read/{r}" for r in range(world_size)]
+            _await_keys(store, reads, rank, world_size, deadline, timeout, "that it read the table")
     return table
+
+
+def _await_keys(
+    store: Any,
+    keys: list[str],
+    rank: int,
+    world_size: int,
+    deadline: float,
+    timeout: float,
+    what: str,
+) -> None:
+    """Wait until every key of ``keys`` (one per rank) is set. Meanwhile the
+    entries already published are checked for a world size of their own;
+    at ``deadline``, a RendezvousError names the ranks that never set theirs."""
+    pause = POLL_FIRST_S
+    scanned = -SCAN_S  # the first look: at once
+    peers = "/peer/" in keys[0]
+    while not store.check(keys):
+        now = time.monotonic()
+        if now >= deadline:
+            present = [r for r, k in enumerate(keys) if store.check([k])]
+            missing = [r for r in range(len(keys)) if r not in present]
+            raise RendezvousError(
+                f"{_ranks(missing)} of WORLD_SIZE={world_size} did not publish {what} within "
+                f"{timeout:g}s (published: {_ranks(present) if present else 'none'}); "
+                "check that every rank runs, with the same MASTER_ADDR, MASTER_PORT and "
+                "WORLD_SIZE",
+                rank=rank,
+                world_size=world_size,
+            )
+        if peers and now - scanned >= SCAN_S:
+            scanned = now
+            published = {
+                r: json.loads(store.get(k).decode()) for r, k in enumerate(keys) if store.check([k])
+            }
+            _check_world_sizes(published, rank, world_size)
+        time.sleep(min(pause, max(0.0, deadline - now)))
+        pause = min(pause * 2, POLL_MAX_S)
+
+
+def _check_world_sizes(entries: dict[int, dict[str, str]], rank: int, world_size: int) -> None:
+    """ConfigError if any of ``entries`` (by rank) was published with
+    another world size than this rank's."""
+    sizes: dict[str, list[int]] = {}
+    for r, e in sorted(entries.items()):
+        sizes.setdefault(e.get("world_size", str(world_size)), []).append(r)
+    if len(sizes) > 1:
+        said = "; ".join(f"WORLD_SIZE={size} on {_ranks(rs)}" for size, rs in sizes.items())
+        raise ConfigError(
+            f"the ranks disagree on the world size: {said}. Give every rank the same WORLD_SIZE",
+            rank=rank,
+            world_size=world_size,
+        )
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def table_result(rank: int, world_size: int, table: list[dict[str, str]]) -> RendezvousResult:
@@ -180,11 +259,19 @@ class StoreRendezvous:
         self.agent_store = agent_store
         self.store: object | None = None
         self.prefix = f"ferrogrpc/{attempt}/"
+        # The connect timeout counts from here, init_backend's start: what
+        # the rank does before the exchange (binding, the loop) is in it too.
+        self.created = time.monotonic()
 
-    def _connect(self) -> object:
+    def _connect(self, deadline: float) -> object:
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
         is_master = self.rank == 0 and not self.agent_store
+        where = f"{self.master_addr}:{self.master_port}"
+        if not is_master:
+            # Wait for the store's listener here: torch's own client retries
+            # past its timeout, printing a C++ stack trace at every try.
+            self._await_listener(deadline)
         fd: int | None = None
         try:
             if is_master:
@@ -195,7 +282,7 @@ class StoreRendezvous:
                 self.master_port,
                 self.world_size,
                 is_master=is_master,
-                timeout=datetime.timedelta(seconds=self.timeout),
+                timeout=datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())),
                 wait_for_workers=False,
                 master_listen_fd=fd,
             )
@@ -206,13 +293,42 @@ class StoreRendezvous:
                 os.close(fd)
             role = "host" if is_master else "reach"
             raise RendezvousError(
-                f"could not {role} the TCPStore at {self.master_addr}:{self.master_port}: {exc}",
+                f"could not {role} the TCPStore at {where}: {_first_line(exc)}",
                 rank=self.rank,
                 world_size=self.world_size,
             ) from exc
 
+    def _await_listener(self, deadline: float) -> None:
+        """Return once something accepts connections at the master's address;
+        RendezvousError at ``deadline``."""
+        pause = POLL_FIRST_S
+        last: OSError | None = None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                holder = "torchrun's agent" if self.agent_store else "rank 0"
+                raise RendezvousError(
+                    f"no TCPStore answered at {self.master_addr}:{self.master_port} within "
+                    f"{self.timeout:g}s ({last}): is {holder} running, with the same "
+                    "MASTER_ADDR and MASTER_PORT?",
+                    rank=self.rank,
+                    world_size=self.world_size,
+                )
+            try:
+                socket.create_connection(
+                    (self.master_addr.strip("[]"), self.master_port), timeout=min(1.0, left)
+                ).close()
+                return
+            except OSError as exc:
+                last = exc
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.25)
+
     def _exchange(self, address: str, nonce: str, host: str) -> list[dict[str, str]]:
-        store: Any = self._connect()
+        # One deadline for reaching the store, the exchange and (rank 0) the
+        # others' reads: FERROGRPC_CONNECT_TIMEOUT bounds them all.
+        deadline = self.created + self.timeout
+        store: Any = self._connect(deadline)
         self.store = store
         try:
             # A store this job's rank 0 hosts is stopped once every rank has
@@ -226,11 +342,13 @@ class StoreRendezvous:
                 {"address": address, "nonce": nonce, "host": host},
                 self.timeout,
                 hosted_here=not self.agent_store,
+                deadline=deadline,
+                where=f"{self.master_addr}:{self.master_port}",
             )
         except (RuntimeError, OSError) as exc:
             raise RendezvousError(
-                f"not every rank published its address to {self.master_addr}:{self.master_port} "
-                f"within {self.timeout:g}s: {exc}",
+                f"the TCPStore at {self.master_addr}:{self.master_port} failed during the "
+                f"rendezvous: {_first_line(exc)}",
                 rank=self.rank,
                 world_size=self.world_size,
             ) from exc
@@ -251,6 +369,12 @@ class StoreRendezvous:
     async def close(self) -> None:
         """Release the store (and, on a hosting rank 0, stop serving it)."""
         self.store = None
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception's first line: torch's C++ errors append their stack."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class LocalRendezvous:
