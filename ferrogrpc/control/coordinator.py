@@ -446,6 +446,31 @@ class Coordinator:
 
     async def status(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         await self._parse(raw, rpb.StatusRequest, context)
+        group = self.membership
+        if group.epoch:
+            # An elastic group: its epoch's members by rank, and the joiners
+            # waiting; last contact on the membership's clock, made wall time.
+            offset = time.time() - group.clock()
+
+            def member(rank: int, peer: str) -> rpb.Member:
+                entry = group.entries.get(peer) or group.joiners.get(peer)
+                seen = group.seen.get(peer)
+                return rpb.Member(
+                    rank=rank,
+                    address=entry.address if entry is not None else "",
+                    last_heartbeat=seen + offset if seen is not None else 0.0,
+                )
+
+            members = [member(r, p) for r, p in enumerate(group.members) if p is not None]
+            return rpb.StatusResponse(
+                world_size=len(group.members),
+                joined=len(members),
+                run_id=group.run_id,
+                metrics_port=self.metrics_port,
+                epoch=group.epoch,
+                members=members,
+                joiners=[member(0, p) for p in list(group.joiners)],
+            ).SerializeToString()
         response = rpb.StatusResponse(
             world_size=self.world_size,
             joined=len(self._members),
