@@ -34,13 +34,31 @@ def _status(target: str) -> int:
     except (ConfigError, RendezvousError) as exc:
         print(f"ferrogrpc status: {exc}", file=sys.stderr)
         return 1
-    print(f"coordinator {target}: run {status.run_id}, {status.joined}/{status.world_size} joined")
-    print(f"{'rank':>4}  {'address':<24} {'last heartbeat':>15}  collective")
     now = time.time()
-    for m in status.members:
-        age = f"{now - m.last_heartbeat:.1f}s ago" if m.last_heartbeat else "never"
-        current = f"{m.collective}#{m.seq}" if m.collective else f"idle (last #{m.seq})"
-        print(f"{m.rank:>4}  {m.address:<24} {age:>15}  {current}")
+
+    def age(last_heartbeat: float) -> str:
+        return f"{max(0.0, now - last_heartbeat):.1f}s ago" if last_heartbeat else "never"
+
+    if status.epoch:
+        # An elastic group: its epoch's members, then the joiners waiting.
+        waiting = len(status.joiners)
+        print(
+            f"coordinator {target}: elastic group, run {status.run_id}, epoch {status.epoch}: "
+            f"{status.joined} members, {waiting} joiner{'' if waiting == 1 else 's'} waiting"
+        )
+        print(f"{'rank':>4}  {'address':<24} {'last heartbeat':>15}  state")
+        for m in status.members:
+            print(f"{m.rank:>4}  {m.address:<24} {age(m.last_heartbeat):>15}  member")
+        for j in status.joiners:
+            print(f"{'-':>4}  {j.address:<24} {age(j.last_heartbeat):>15}  joiner, waiting")
+    else:
+        print(
+            f"coordinator {target}: run {status.run_id}, {status.joined}/{status.world_size} joined"
+        )
+        print(f"{'rank':>4}  {'address':<24} {'last heartbeat':>15}  collective")
+        for m in status.members:
+            current = f"{m.collective}#{m.seq}" if m.collective else f"idle (last #{m.seq})"
+            print(f"{m.rank:>4}  {m.address:<24} {age(m.last_heartbeat):>15}  {current}")
     if status.metrics_port:
         # The coordinator serves its group's metrics (--metrics-port): print them.
         from .control.group_metrics import describe
@@ -55,7 +73,9 @@ def _status(target: str) -> int:
 
 def _diagnose(directory: str, *, as_json: bool) -> int:
     """Print the diagnosis of every group's flight records in ``directory``:
-    0 when a culprit is named, 1 when none is, 2 when there is nothing to read."""
+    0 when a culprit is named, 1 when none is, 2 when there is nothing to
+    read or a file is not a flight record (one line naming it and the
+    field: observe/schema.py)."""
     from .observe.diagnose import diagnose_dir, render
 
     try:
@@ -72,12 +92,13 @@ def _diagnose(directory: str, *, as_json: bool) -> int:
 
 def _trace_merge(directory: str, output: str) -> int:
     """Merge the ranks' traces in ``directory`` into ``output``: 0, or 2
-    when there is nothing to merge."""
+    when there is nothing to merge, a file is not a trace (one line naming
+    it and the field: observe/schema.py), or ``output`` cannot be written."""
     from .observe.trace import merge
 
     try:
         merged = merge(directory, output)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"ferrogrpc trace merge: {exc}", file=sys.stderr)
         return 2
     for file in merged["files"]:

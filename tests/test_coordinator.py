@@ -659,3 +659,100 @@ async def test_a_coordinator_waiting_for_ranks_is_told_from_nothing_listening() 
     with pytest.raises(fg.RendezvousError, match=f"no coordinator answered at {nobody}"):
         await CoordinatorRendezvous(nobody, timeout=connect).exchange(None, None, "h:1", "n")
     assert time.monotonic() - start <= connect * 1.1 + 1
+
+
+STATUS_ROW = r"^\s*(\d+|-)\s+(127\.0\.0\.1:\d+)\s+(\d+\.\d)s ago\s+(member|joiner, waiting)$"
+
+
+@pytest.mark.timeout(150)
+def test_status_of_an_elastic_group_shows_its_epoch_members_and_joiners() -> None:
+    # `ferrogrpc status` of an elastic group used to print "0/2 joined" and
+    # no member (issue 55): the group's members enter epochs, they never
+    # Join. A real coordinator process, two elastic members training, then
+    # a third process that waits to be admitted at their next step boundary
+    # (each step is followed by PACE seconds).
+    import re
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.helpers import ROOT, clean_env, spawn_rank
+
+    out_dir = tempfile.TemporaryDirectory()
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    env = dict(
+        clean_env(),
+        FERROGRPC_COORDINATOR=target,
+        FERROGRPC_HEARTBEAT_TIMEOUT="2",
+        OUT_DIR=out_dir.name,
+        WORLD="2",
+        STEPS="1000",
+        PACE="3",
+    )
+    cli = [sys.executable, "-m", "ferrogrpc.cli"]
+    coordinator = subprocess.Popen(
+        [*cli, "coordinator", "--world-size", "2", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    ranks = []
+
+    def status() -> tuple[str, list[tuple[str, str, float, str]]]:
+        proc = subprocess.run(
+            [*cli, "status", target], env=env, capture_output=True, text=True, timeout=30
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        rows = [
+            (m[1], m[2], float(m[3]), m[4])
+            for m in re.finditer(STATUS_ROW, proc.stdout, re.MULTILINE)
+        ]
+        return proc.stdout, rows
+
+    def wait_for(what: str, check: Callable[[str, list[tuple[str, str, float, str]]], bool]) -> str:
+        deadline = time.monotonic() + 60
+        while True:
+            out, rows = status()
+            if check(out, rows):
+                return out
+            outputs = "\n".join(r.stdout[-2000:] for r in ranks)
+            assert time.monotonic() < deadline, f"{what}; last status:\n{out}\n{outputs}"
+            time.sleep(0.2)
+
+    try:
+        ranks = [spawn_rank("elastic_train.py", env=env) for _ in range(2)]
+        out = wait_for(
+            "two members training in epoch 1",
+            lambda out, rows: (
+                "epoch 1: 2 members, 0 joiners waiting" in out
+                and all('"step": 1,' in r.stdout for r in ranks)
+            ),
+        )
+        _, rows = status()
+        assert [(r[0], r[3]) for r in rows] == [("0", "member"), ("1", "member")], out
+        assert len({r[1] for r in rows}) == 2, out  # each its own address
+        assert all(r[2] < 2.0 for r in rows), out  # heartbeats within the timeout
+        ranks.append(spawn_rank("elastic_train.py", env=env))
+        out = wait_for(
+            "the third process waiting to be admitted",
+            lambda out, rows: (
+                "epoch 1: 2 members, 1 joiner waiting" in out
+                and [r[3] for r in rows] == ["member", "member", "joiner, waiting"]
+            ),
+        )
+        _, joiner, joiner_age, _ = re.findall(STATUS_ROW, out, re.MULTILINE)[-1]
+        assert float(joiner_age) < 2.0, out
+        out = wait_for(
+            "the joiner admitted in epoch 2",
+            lambda out, rows: "epoch 2: 3 members, 0 joiners waiting" in out,
+        )
+        _, rows = status()
+        assert [r[0] for r in rows] == ["0", "1", "2"] and rows[2][1] == joiner, out
+    finally:
+        for p in [*ranks, coordinator]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        out_dir.cleanup()

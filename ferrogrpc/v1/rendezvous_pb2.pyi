@@ -152,18 +152,22 @@ class Member(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., last_heartbeat: _Optional[float] = ..., collective: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("world_size", "joined", "run_id", "members", "metrics_port")
+    __slots__ = ("world_size", "joined", "run_id", "members", "metrics_port", "epoch", "joiners")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     JOINED_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    JOINERS_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     joined: int
     run_id: str
     members: _containers.RepeatedCompositeFieldContainer[Member]
     metrics_port: int
-    def __init__(self, world_size: _Optional[int] = ..., joined: _Optional[int] = ..., run_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., metrics_port: _Optional[int] = ...) -> None: ...
+    epoch: int
+    joiners: _containers.RepeatedCompositeFieldContainer[Member]
+    def __init__(self, world_size: _Optional[int] = ..., joined: _Optional[int] = ..., run_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., metrics_port: _Optional[int] = ..., epoch: _Optional[int] = ..., joiners: _Optional[_Iterable[_Union[Member, _Mapping]]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("peer_id", "epoch", "n")
