@@ -37,6 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from .flight import DONE, RUNNING, WAITING, load
+from .schema import MAX_WORLD_SIZE
+
+# The most files read: a record per rank of the largest group, four times.
+MAX_RECORDS = 4 * MAX_WORLD_SIZE
 
 # How much an error's evidence counts when the records must vote.
 _WEIGHT = {"found": 3, "unreachable": 3, "silent": 3, "symptom": 1, "relayed": 1, "refused": 3}
@@ -78,8 +82,11 @@ class Diagnosis:
 
 
 def read(directory: str | Path) -> dict[str, list[dict[str, Any]]]:
-    """Every flight record in ``directory``, by group. ValueError when there
-    is none (or the directory is missing)."""
+    """Every flight record in ``directory``, by group, each checked
+    (flight.load: see [Note: records read as hostile] in schema.py).
+    ValueError, one line naming the file and the field, when there is none,
+    the directory is missing, a file is not a record, or records of one
+    group disagree on its world size."""
     folder = Path(directory)
     if not folder.is_dir():
         raise ValueError(f"{folder}: no such directory (where FERROGRPC_FLIGHT_DIR pointed)")
@@ -89,10 +96,19 @@ def read(directory: str | Path) -> dict[str, list[dict[str, Any]]]:
             f"{folder}: no flight records (flight-rank*.json); a rank writes one when it "
             "breaks, if FERROGRPC_FLIGHT_DIR is set"
         )
+    if len(files) > MAX_RECORDS:
+        raise ValueError(f"{folder}: {len(files)} flight records, more than the {MAX_RECORDS} read")
     groups: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    first: dict[str, tuple[Path, int]] = {}
     for path in files:
         record = load(path)
-        groups[str(record["group"])].append(record)
+        group, world = record["group"], record["world_size"]
+        seen, size = first.setdefault(group, (path, world))
+        if world != size:
+            raise ValueError(
+                f"{path}: world_size: {world}, where {seen.name} of the same group says {size}"
+            )
+        groups[group].append(record)
     return dict(groups)
 
 

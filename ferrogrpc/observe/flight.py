@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FerroGrpcError, Identity
-from . import files
+from . import files, schema
 
 # How many collectives each rank remembers: at a DDP step's handful of
 # collectives, the last hundred steps or more.
@@ -199,13 +199,80 @@ def _describe(err: FerroGrpcError | None) -> dict[str, Any] | None:
     }
 
 
+# A record's largest file: the ring's 1024 entries take about 300 KiB.
+MAX_RECORD_BYTES = 64 << 20
+# The most entries a record may hold (the ring keeps FLIGHT_ENTRIES).
+MAX_RECORD_ENTRIES = 64 * FLIGHT_ENTRIES
+_STATES = (WAITING, RUNNING, DONE, FAILED)
+_SEQ = (-1, 2**63 - 1)
+
+
 def load(path: str | Path) -> dict[str, Any]:
-    """One dump, checked for its format; ValueError names a file that is not
-    one."""
+    """One dump, read as hostile (see [Note: records read as hostile] in
+    schema.py): its format, and every field :mod:`diagnose` uses checked
+    for type and range. Returns the record with exactly those fields.
+    ValueError, one line naming the file and the field, for a file that is
+    not a record."""
+    data = schema.read_json(Path(path), MAX_RECORD_BYTES, "flight record")
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not a readable flight record ({exc})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a ferrogrpc flight record (format {FORMAT} expected)")
-    return data
+        top = schema.Fields(data)
+        if data.get("format") != FORMAT:
+            raise schema.SchemaError("format", f"{FORMAT} expected")
+        return _checked(top)
+    except schema.SchemaError as exc:
+        raise ValueError(f"{path}: not a ferrogrpc flight record: {exc}") from None
+
+
+def _checked(top: schema.Fields) -> dict[str, Any]:
+    world = top.integer("world_size", 1, schema.MAX_WORLD_SIZE)
+    last = world - 1
+    addresses = top.array("addresses", world)
+    cause = top.maybe_object("cause")
+    return {
+        "format": FORMAT,
+        "rank": top.integer("rank", 0, last),
+        "world_size": world,
+        "addresses": [schema.string(a, f"addresses[{i}]", 1024) for i, a in enumerate(addresses)],
+        "group": top.string("group", 256),
+        "host": top.maybe_string("host", 1024),
+        "pid": top.maybe_integer("pid", 0, 2**32),
+        "dumped_at": top.number("dumped_at"),
+        "cause": None
+        if cause is None
+        else {
+            "kind": cause.string("kind", 256),
+            "message": cause.maybe_string("message"),
+            "op": cause.maybe_string("op", 256),
+            "seq": cause.maybe_integer("seq", *_SEQ),
+            "peer": cause.maybe_integer("peer", 0, last),
+            "evidence": cause.maybe_string("evidence", 256),
+        },
+        "entries": [
+            _entry(schema.Fields(e, f"entries[{i}]"), last)
+            for i, e in enumerate(top.array("entries", MAX_RECORD_ENTRIES))
+        ],
+    }
+
+
+def _entry(e: schema.Fields, last: int) -> dict[str, Any]:
+    state = e.string("state", 32)
+    if state not in _STATES:
+        raise schema.SchemaError(e.name("state"), f"{state!r} is not one of {', '.join(_STATES)}")
+    peers = e.array("peers", last + 1) if e.has("peers") else []
+    return {
+        "seq": e.integer("seq", *_SEQ),
+        "op": e.string("op", 256),
+        "nbytes": e.integer("nbytes", 0, 2**63 - 1),
+        "dtype": e.string("dtype", 256),
+        "path": e.maybe_string("path", 256) or "",
+        "peers": [
+            schema.integer(p, f"{e.name('peers')}[{i}]", 0, last) for i, p in enumerate(peers)
+        ],
+        "called": e.maybe_number("called") or 0.0,
+        "started": e.maybe_number("started") or 0.0,
+        "ended": e.maybe_number("ended") or 0.0,
+        "state": state,
+        "error": e.maybe_string("error"),
+        "error_kind": e.maybe_string("error_kind", 256),
+        "culprit": e.maybe_integer("culprit", 0, last),
+    }

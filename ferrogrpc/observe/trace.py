@@ -58,7 +58,7 @@ from typing import Any, TextIO
 
 from ..errors import ConfigError, FerroGrpcError, Identity
 from ..transport.streams import Transport
-from . import files
+from . import files, schema
 from .clock import SAME_CLOCK, ClockOffset, measure
 from .flight import Entry, group_digest
 from .observer import (
@@ -429,19 +429,68 @@ def _write_all() -> None:
 # ------------------------------------------------------------------- merge
 
 
+# A trace file's largest: its 500,000 events at most take about 150 MB.
+MAX_TRACE_BYTES = 1 << 30
+# The most events a file may hold: what the spool keeps, twice, and room.
+MAX_TRACE_EVENTS = 4 * 2 * SEGMENT_EVENTS
+
+
 def load(path: str | Path) -> dict[str, Any]:
-    """One rank's trace file, checked for its format; ValueError names a
-    file that is not one."""
+    """One rank's trace file, read as hostile (see [Note: records read as
+    hostile] in schema.py): its header's fields (the ones a merge and the
+    command use, and only those, are kept), and each event an object whose
+    ``ts`` and ``dur`` are numbers, nested no deeper than the writer's.
+    ValueError, one line naming the file and the field, for a file that is
+    not a trace."""
+    data = schema.read_json(Path(path), MAX_TRACE_BYTES, "trace file")
     try:
-        data: dict[str, Any] = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not a readable trace file ({exc})") from None
-    header = data.get("otherData") if isinstance(data, dict) else None
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a ferrogrpc trace file (format {FORMAT} expected)")
-    if not isinstance(data.get("traceEvents"), list):
-        raise ValueError(f"{path}: a ferrogrpc trace file without its traceEvents list")
-    return data
+        top = schema.Fields(data)
+        header = top.object("otherData")
+        if header.data.get("format") != FORMAT:
+            raise schema.SchemaError("otherData.format", f"{FORMAT} expected")
+        checked = _header(header)
+        events = top.array("traceEvents", MAX_TRACE_EVENTS)
+        for i, event in enumerate(events):
+            fields = schema.Fields(event, f"traceEvents[{i}]")
+            for key in ("ts", "dur"):
+                if key in event:
+                    fields.number(key)
+            for key, value in event.items():
+                if isinstance(value, (dict, list)):
+                    schema.check_depth(value, fields.name(key))
+    except schema.SchemaError as exc:
+        raise ValueError(f"{path}: not a ferrogrpc trace file: {exc}") from None
+    return {"otherData": checked, "displayTimeUnit": "ms", "traceEvents": events}
+
+
+def _header(h: schema.Fields) -> dict[str, Any]:
+    """A trace file's header, each field :meth:`TraceWriter.header` writes
+    checked."""
+    world = h.integer("world_size", 1, schema.MAX_WORLD_SIZE)
+    clock = h.maybe_object("clock")
+    count = (0, 2**63 - 1)
+    return {
+        "format": FORMAT,
+        "rank": h.integer("rank", 0, world - 1),
+        "world_size": world,
+        "group": h.maybe_string("group", 256),
+        "host": h.maybe_string("host", 1024),
+        "pid": h.maybe_integer("pid", 0, 2**32),
+        "clock": None
+        if clock is None
+        else {
+            "offset_s": clock.number("offset_s"),
+            "round_trip_s": clock.number("round_trip_s"),
+            "error_bound_s": clock.number("error_bound_s"),
+            "samples": clock.integer("samples", *count),
+            "reference_rank": clock.maybe_integer("reference_rank", 0, world - 1) or 0,
+        },
+        "events": h.integer("events", *count),
+        "dropped": h.maybe_integer("dropped", *count) or 0,
+        "kept_at_most": h.maybe_integer("kept_at_most", *count),
+        "written_at": h.maybe_number("written_at"),
+        "complete": h.boolean("complete") if h.has("complete") else False,
+    }
 
 
 def trace_files(directory: str | Path) -> list[Path]:
@@ -451,6 +500,8 @@ def trace_files(directory: str | Path) -> list[Path]:
     if not folder.is_dir():
         raise ValueError(f"{folder}: not a directory")
     found = sorted(folder.glob(FILE_PATTERN))
+    if len(found) > 4 * schema.MAX_WORLD_SIZE:
+        raise ValueError(f"{folder}: {len(found)} trace files, more than a merge reads")
     if not found:
         raise ValueError(
             f"{folder}: no trace files ({FILE_PATTERN}); run with FERROGRPC_TRACE={folder}"
