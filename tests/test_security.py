@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 import threading
 import time
 import zlib
@@ -24,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ferrogrpc as fg
+from ferrogrpc.control.coordinator import Coordinator
 from ferrogrpc.env import Settings
 from ferrogrpc.testing import Fault, FaultKind
 from ferrogrpc.transport import integrity, wire
@@ -388,6 +390,27 @@ def test_a_token_grpc_cannot_carry_is_refused_at_start(
     source = "FERROGRPC_TOKEN" if how == "FERROGRPC_TOKEN" else "token="
     assert source in message and "printable ASCII" in message and wrong in message, message
     assert token.strip() not in message  # a secret is never echoed
+
+
+@pytest.mark.parametrize(
+    ("bind", "token", "warns"),
+    [("0.0.0.0:0", None, True), ("127.0.0.1:0", None, False), ("0.0.0.0:0", "s3cret-token", False)],
+)
+async def test_a_coordinator_beyond_loopback_without_a_token_warns_at_start(
+    bind: str, token: str | None, warns: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # SECURITY.md, "The coordinator": without a token, whoever reaches it
+    # can enter an elastic group and send heartbeats and commits.
+    coordinator = Coordinator(2, token=token)
+    with caplog.at_level(logging.WARNING, logger="ferrogrpc.coordinator"):
+        await coordinator.start(bind)
+    try:
+        said = [r.getMessage() for r in caplog.records if "without a token" in r.getMessage()]
+        assert len(said) == (1 if warns else 0), said
+        if warns:
+            assert bind in said[0] and "FERROGRPC_TOKEN" in said[0], said
+    finally:
+        await coordinator.stop(0)
 
 
 async def test_rogue_neighbour_during_a_collective_changes_nothing() -> None:
