@@ -9,6 +9,8 @@ or ``elastic_train.py`` ranks, started by test_elastic.py's ``Run``."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import math
 import sys
 import time
 from collections import defaultdict, deque
@@ -165,6 +167,7 @@ def _lbfgs(net: nn.Module) -> torch.optim.LBFGS:
     return torch.optim.LBFGS(net.parameters(), lr=0.1, max_iter=1, history_size=3)
 
 
+@pytest.mark.timeout(30)
 def test_lbfgs_state_reaches_a_joiner_whole_in_memory() -> None:
     # LBFGS keeps one flat state for all parameters: tensors, lists of
     # tensors (and None), ints and floats. A joiner receives it as it is.
@@ -267,6 +270,7 @@ class Noting(torch.optim.SGD):
         return loss
 
 
+@pytest.mark.timeout(30)
 def test_a_state_it_cannot_send_is_refused_at_the_first_step_and_never_kills_a_member() -> None:
     import ferrogrpc as fg
 
@@ -295,6 +299,7 @@ def test_a_state_it_cannot_send_is_refused_at_the_first_step_and_never_kills_a_m
     assert {key: len(q) for key, q in wire.queues.items() if q} == {}
 
 
+@pytest.mark.timeout(30)
 def test_a_hyperparameter_it_cannot_send_is_refused_when_the_state_is_built() -> None:
     import ferrogrpc as fg
 
@@ -303,3 +308,172 @@ def test_a_hyperparameter_it_cannot_send_is_refused_when_the_state_is_built() ->
     opt.param_groups[0]["schedule"] = Note()
     with pytest.raises(fg.ConfigError, match=r"param_groups\[0\]\['schedule'\]: a Note"):
         elastic_state(net, opt, 0, 1, Wire())
+
+
+# ------------------------------------------------ a corrupt header (hostile)
+
+
+def _adam_member(wire: Wire) -> tuple[nn.Module, Any]:
+    net = _net()
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    member, _ = elastic_state(net, opt, 0, 2, wire)
+    _train(net, opt, 1)
+    return net, member
+
+
+def _sent_header() -> dict[str, Any]:
+    """The header an Adam member sends a joiner, as JSON."""
+    from ferrogrpc.elastic.state import HEADER_TAG
+
+    wire = Wire()
+    _, member = _adam_member(wire)
+    member.send_to_joiners(1)
+    _, body = wire.queues[(0, 1, HEADER_TAG)]
+    header: dict[str, Any] = json.loads(bytes(body.numpy()))
+    return header
+
+
+def _own_adam() -> Any:
+    net = _net()
+    state, _ = elastic_state(net, torch.optim.Adam(net.parameters(), lr=0.01), 1, 2, Wire())
+    return state._own()
+
+
+def _corrupt(header: dict[str, Any], path: list[Any], value: Any) -> bytes:
+    header = json.loads(json.dumps(header))
+    at: Any = header
+    for key in path[:-1]:
+        at = at[key]
+    at[path[-1]] = value
+    return json.dumps(header).encode()
+
+
+def _exp_avg(header: dict[str, Any]) -> int:
+    """Where the stream's first exp_avg is listed in header['tensors']."""
+    ref: int = header["optimizer"]["state"]["0"]["exp_avg"]["stream"]
+    return ref
+
+
+@pytest.mark.timeout(30)
+def test_a_corrupt_state_header_is_a_protocol_error_naming_its_sender() -> None:
+    import ferrogrpc as fg
+    from ferrogrpc.elastic.state import _read_header, _Sender
+
+    header = _sent_header()
+    own = _own_adam()
+    sender = _Sender(0, 2, 3, "127.0.0.1:1000")
+    assert _read_header(json.dumps(header).encode(), own, sender).step == 7  # as sent: fine
+    first = _exp_avg(header)
+    corrupt: dict[str, bytes] = {
+        "not JSON": b'{"format": 3, "step": ',
+        "not UTF-8": b"\xff\xfe{}",
+        "not an object": b"[1, 2]",
+        "nested past any bound": b"[" * 100_000 + b"]" * 100_000,
+        "a step of a string": _corrupt(header, ["step"], "seven"),
+        "a negative step": _corrupt(header, ["step"], -1),
+        "tensors of a string": _corrupt(header, ["tensors"], "all of them"),
+        "an unknown dtype": _corrupt(header, ["tensors", first, 1], "complex128"),
+        "a negative size": _corrupt(header, ["tensors", first, 2], [-4, 3]),
+        "a size of a string": _corrupt(header, ["tensors", first, 2], ["4", 3]),
+        "a huge optimizer tensor": _corrupt(header, ["tensors", first, 2], [2**45]),
+        "a state key past the parameters": _corrupt(
+            header, ["optimizer", "state", "99"], header["optimizer"]["state"]["0"]
+        ),
+        "a reference past the tensors": _corrupt(
+            header, ["optimizer", "state", "0", "exp_avg"], {"stream": 10**6}
+        ),
+        "a reference to a model tensor": _corrupt(
+            header, ["optimizer", "state", "0", "exp_avg"], {"stream": 0}
+        ),
+        "a value of no known kind": _corrupt(
+            header, ["optimizer", "state", "0", "exp_avg"], {"pickle": "gASV"}
+        ),
+        "a class of a number": _corrupt(header, ["optimizer", "class"], 3),
+        "a hyperparameter of no known kind": _corrupt(
+            header, ["optimizer", "configured", 0, "betas"], {"tuple": "0.9"}
+        ),
+        "an inline tensor too large": _corrupt(
+            header, ["optimizer", "param_groups", 0, "lr"], {"tensor": ["float32", [2**40], []]}
+        ),
+        "groups of a string": _corrupt(header, ["optimizer", "param_groups"], "all"),
+    }
+    for what, raw in corrupt.items():
+        began = time.perf_counter()
+        with pytest.raises(fg.ProtocolError) as caught:
+            _read_header(raw, own, sender)
+        assert time.perf_counter() - began < 1.0, what
+        err = caught.value
+        assert err.peer == 0 and err.rank == 2, what
+        assert "rank 0 sent a malformed state header" in str(err), (what, str(err))
+        assert "peer 0 (127.0.0.1:1000)" in str(err), (what, str(err))
+    # A header that is whole but describes another model or optimizer: a
+    # ConfigError naming the difference, a huge shape included.
+    with pytest.raises(fg.ConfigError, match=r"param:0.weight is torch.float32 \(4, 3\) here"):
+        _read_header(_corrupt(header, ["tensors", 0, 2], [2**40, 2**40]), own, sender)
+    with pytest.raises(fg.ConfigError, match="run the same ferrogrpc"):
+        _read_header(_corrupt(header, ["format"], 2), own, sender)
+
+
+@pytest.mark.timeout(30)
+def test_a_corrupt_header_reaches_no_allocation_on_a_joiner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """End to end, through ElasticState.receive_from_members: a header
+    length of 32 TiB, a body that is not JSON, a huge optimizer tensor. Each
+    is a ProtocolError naming rank 0, the joiner leaves the group, and no
+    allocation beyond a few bytes happens."""
+    import ferrogrpc as fg
+    from ferrogrpc.elastic.state import HEADER_TAG
+
+    header = _sent_header()
+    bodies = [
+        (torch.tensor([2**45], dtype=torch.int64), None),
+        *(
+            (torch.tensor([len(raw)], dtype=torch.int64), raw)
+            for raw in (
+                b"\x00not json",
+                _corrupt(header, ["tensors", _exp_avg(header), 2], [2**43]),
+            )
+        ),
+    ]
+    allocated: list[int] = []
+    empty = torch.empty
+
+    def spy(*size: Any, **kwargs: Any) -> torch.Tensor:
+        shape = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
+        allocated.append(math.prod(shape))
+        return empty(*size, **kwargs)
+
+    for length, raw in bodies:
+        wire = Wire()
+        net = _net()
+        joiner, closed = elastic_state(net, torch.optim.Adam(net.parameters(), lr=0.01), 1, 2, wire)
+        wire.queues[(0, 1, HEADER_TAG)].append(length)
+        if raw is not None:
+            body = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            wire.queues[(0, 1, HEADER_TAG)].append(body)
+        monkeypatch.setattr(torch, "empty", spy)
+        began = time.perf_counter()
+        with pytest.raises(fg.ProtocolError, match="rank 0 sent a malformed") as caught:
+            joiner.receive_from_members(1)
+        monkeypatch.setattr(torch, "empty", empty)
+        assert time.perf_counter() - began < 1.0
+        assert caught.value.peer == 0 and closed == [True]
+        assert max(allocated, default=0) <= 2**16, allocated
+
+
+@pytest.mark.timeout(30)
+def test_a_state_tensor_of_another_shape_than_its_parameter_is_a_protocol_error() -> None:
+    # Within every bound of size, still not what Adam keeps: exp_avg of a
+    # (4, 3) weight sent as (3, 4); and a state entry named twice.
+    import ferrogrpc as fg
+    from ferrogrpc.elastic.state import _read_header, _Sender
+
+    header = _sent_header()
+    sender = _Sender(0, 2, 3, "127.0.0.1:1000")
+    transposed = _corrupt(header, ["tensors", _exp_avg(header), 2], [3, 4])
+    with pytest.raises(fg.ProtocolError, match=r"has shape \(3, 4\), parameter 0 \(4, 3\)"):
+        _read_header(transposed, _own_adam(), sender)
+    twice = json.dumps(header).replace('"state": {"0": ', '"state": {"00": {}, "0": ')
+    with pytest.raises(fg.ProtocolError, match="optimizer state entry '0'"):
+        _read_header(twice.encode(), _own_adam(), sender)

@@ -52,15 +52,16 @@ that differs from this process's model (names, dtypes, shapes) or
 optimizer (class, hyperparameters as each process built them, the shape
 and dtype of a state tensor both hold) is a ConfigError naming the first
 difference. The optimizer's state is bounded by its parameters: a state
-tensor holds at most its parameter's elements (LBFGS: all parameters'),
-an entry at most TENSORS_PER_ENTRY tensors, and all of them together at
-most STATE_PER_ELEMENT elements per parameter element (LBFGS: two per
-element per step of its history, and two more); a member refuses to send
-a state beyond those bounds, so a joiner never meets one from a group
-like itself. A joiner that cannot take the group's state leaves the group
-(it closes its backend): the members, which wait for it in the new epoch,
-find it gone and go on without it, as without any lost member, and the
-error reaches the joiner's ``steps()``.
+tensor is a scalar, or has its parameter's shape (torch's per-parameter
+optimizers), or holds at most its parameter's elements (others; LBFGS: all
+parameters'); an entry holds at most TENSORS_PER_ENTRY tensors, and all of
+them together at most STATE_PER_ELEMENT elements per parameter element
+(LBFGS: two per element per step of its history, and two more); a member
+refuses to send a state beyond those bounds, so a joiner never meets one
+from a group like itself. A joiner that cannot take the group's state
+leaves the group (it closes its backend): the members, which wait for it
+in the new epoch, find it gone and go on without it, as without any lost
+member, and the error reaches the joiner's ``steps()``.
 """
 
 from __future__ import annotations
@@ -158,13 +159,33 @@ def _model_count(names: list[str]) -> int:
 # ------------------------------------------------ the optimizer, in a header
 
 
+# torch's optimizers whose state is, per parameter, tensors of its shape
+# and scalars (a step count, NAdam's mu_product).
+_SHAPED = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adamax,
+    torch.optim.Adadelta,
+    torch.optim.Adagrad,
+    torch.optim.SGD,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Limits:
-    """How much state an optimizer keeps ([Note: what a joiner accepts]):
-    whether a state tensor may span every parameter (LBFGS's flat
-    vectors) or only its own, the tensors of one entry, and the elements of
-    all of them per parameter element."""
+    """The state an optimizer keeps ([Note: what a joiner accepts]): a
+    state tensor has its parameter's shape (``shaped``: torch's
+    per-parameter optimizers), or at most its elements, or (``flat``:
+    LBFGS's vectors) at most all parameters'; or it is a scalar. And the
+    tensors of one entry, and the elements of all of them per parameter
+    element."""
 
+    shaped: bool
     flat: bool
     tensors_per_entry: int
     per_element: int
@@ -175,23 +196,32 @@ class _Limits:
             # d, prev_flat_grad, and two vectors a step of its history;
             # ro, al, H_diag and t are scalars.
             history = int(optimizer.param_groups[0]["history_size"])
-            return _Limits(True, 4 * history + 8, 2 * history + 2)
-        return _Limits(False, TENSORS_PER_ENTRY, STATE_PER_ELEMENT)
+            return _Limits(False, True, 4 * history + 8, 2 * history + 2)
+        shaped = isinstance(optimizer, _SHAPED)
+        return _Limits(shaped, False, TENSORS_PER_ENTRY, STATE_PER_ELEMENT)
 
-    def error(self, entries: dict[int, list[tuple[str, int]]], params: list[int]) -> str | None:
-        """What exceeds these limits in a state whose entries hold tensors
-        of (name, elements) for the parameters of ``params`` elements each
-        (by index); None if nothing does."""
-        everything = sum(params)
+    def error(
+        self, entries: dict[int, list[tuple[str, torch.Size]]], params: list[torch.Size]
+    ) -> str | None:
+        """What breaks these limits in a state whose entries hold tensors of
+        (name, shape), for the parameters of ``params`` shapes (by index);
+        None if nothing does."""
+        everything = sum(p.numel() for p in params)
         total = 0
         for key, tensors in entries.items():
             if len(tensors) > self.tensors_per_entry:
                 return (
                     f"state[{key}] holds {len(tensors)} tensors, more than {self.tensors_per_entry}"
                 )
-            most = everything if self.flat else params[key]
-            for where, numel in tensors:
-                if numel > max(1, most):
+            param = params[key]
+            most = everything if self.flat else param.numel()
+            for where, shape in tensors:
+                numel = shape.numel()
+                if numel <= 1:
+                    pass
+                elif self.shaped and shape != param:
+                    return f"{where} has shape {_shape(shape)}, parameter {key} {tuple(param)}"
+                elif numel > most:
                     return (
                         f"{where} holds {numel} elements, more than "
                         + ("the parameters'" if self.flat else f"parameter {key}'s")
@@ -328,9 +358,9 @@ def _outgoing(
     for name, t in named:
         _dtype_name(t.dtype, name)
     sd = optimizer.state_dict()
-    params = [p.numel() for g in optimizer.param_groups for p in g["params"]]
+    params = [p.shape for g in optimizer.param_groups for p in g["params"]]
     state: dict[str, dict[str, Any]] = {}
-    entries: dict[int, list[tuple[str, int]]] = {}
+    entries: dict[int, list[tuple[str, torch.Size]]] = {}
     for key, entry in sd["state"].items():
         first = len(named)
         out: dict[str, Any] = {}
@@ -339,7 +369,7 @@ def _outgoing(
                 raise ConfigError(f"ElasticState cannot send state[{key}]'s field {field!r}")
             out[field] = _encode(value, f"state[{key}][{field!r}]", named)
         state[str(key)] = out
-        entries[int(key)] = [(n, t.numel()) for n, t in named[first:]]
+        entries[int(key)] = [(n, t.shape) for n, t in named[first:]]
     exceeds = limits.error(entries, params)
     if exceeds is not None:
         raise ConfigError(f"ElasticState cannot send the optimizer's state: {exceeds}")
@@ -384,14 +414,14 @@ class _Sender:
 class _Own:
     """What a joiner checks a header against: its model's tensors (name:
     dtype, shape), its optimizer's class and hyperparameters as built
-    (encoded), its groups' sizes, each parameter's elements, its limits, and
+    (encoded), its groups' sizes, each parameter's shape, its limits, and
     the tensors of its own state (a member that joins again has some)."""
 
     tensors: dict[str, tuple[torch.dtype, torch.Size]]
     optimizer_class: str
     configured: list[dict[str, Any]]
     group_sizes: list[int]
-    params: list[int]
+    params: list[torch.Size]
     limits: _Limits
     state: dict[int, dict[str, tuple[torch.dtype, torch.Size]]]
 
@@ -587,11 +617,11 @@ def _read_state(
     if not isinstance(state, dict):
         raise sender.malformed(f"optimizer state {_brief(state)}")
     out: dict[int, dict[str, Any]] = {}
-    entries: dict[int, list[tuple[str, int]]] = {}
+    entries: dict[int, list[tuple[str, torch.Size]]] = {}
     seen: set[int] = set()
     for key, entry in state.items():
         index = int(key) if key.isascii() and key.isdigit() and len(key) < 10 else -1
-        if not 0 <= index < len(own.params) or not isinstance(entry, dict):
+        if not 0 <= index < len(own.params) or index in out or not isinstance(entry, dict):
             raise sender.malformed(f"optimizer state entry {_brief(key)} (of {len(own.params)})")
         refs: list[int] = []
         out[index] = {
@@ -601,7 +631,7 @@ def _read_state(
             if not model <= ref < len(specs) or ref in seen:
                 raise sender.malformed(f"state[{index}] refers to tensor {ref} (of {len(specs)})")
             seen.add(ref)
-        entries[index] = [(specs[r][0], specs[r][2].numel()) for r in refs]
+        entries[index] = [(specs[r][0], specs[r][2]) for r in refs]
     if len(seen) != len(specs) - model:
         raise sender.malformed(
             f"{len(specs) - model - len(seen)} of the optimizer's tensors unused"
@@ -1038,7 +1068,7 @@ class ElasticState:
             optimizer_class=_class_name(self.optimizer),
             configured=self._configured,
             group_sizes=[len(g["params"]) for g in groups],
-            params=[p.numel() for g in groups for p in g["params"]],
+            params=[p.shape for g in groups for p in g["params"]],
             limits=self._limits,
             state=state,
         )
