@@ -3,10 +3,10 @@ build the image from this checkout and run the coordinator and the rank
 replicas, each replica a container of its own (its own network namespace:
 to the others, another host).
 
-Needs a Docker engine, and Debian's docker-compose, which the README's test
-command installs; CI runs ../shared/scripts/docker-base.sh first, which
-starts the engine and provides the python:3.11-slim base image. Where no
-engine answers, these tests fail and say so: they are never skipped.
+Needs a Docker engine, Debian's docker-compose and the python:3.11-slim base
+image, which scripts/docker_setup.sh provides (the README's test command runs
+it first). Where no engine answers, these tests fail and say so: they are
+never skipped.
 
 Each run has a project name of its own (so its containers and network are
 its own) and is always taken down, even when the test fails. The image is
@@ -51,12 +51,11 @@ BATCH, LR = 48, 0.01  # client.train's defaults
 COORDINATOR_PORT = 29400  # inside the compose network
 IMAGE = f"ferrogrpc-test:{hashlib.sha1(str(ROOT).encode()).hexdigest()[:12]}"
 BUILD_TIMEOUT_S = 420
-# How a user gets what these tests need (the project's CI machines run
-# ../shared/scripts/docker-base.sh, which does the same).
+# How a user gets what these tests need.
+SETUP = "scripts/docker_setup.sh"
 ENGINE_HINT = (
-    "install a Docker engine and Debian's docker-compose (apt-get install docker.io "
-    "docker-compose), start it (dockerd), and fetch the base image (docker pull "
-    "python:3.11-slim); see docs/troubleshooting.md"
+    f"run `bash {SETUP}` as root on Debian (it installs docker.io and docker-compose, starts "
+    "the engine and provides python:3.11-slim); see docs/troubleshooting.md"
 )
 CLI = [sys.executable, "-m", "ferrogrpc.cli"]
 Record = dict[str, object]
@@ -83,6 +82,42 @@ def test_the_compose_file_and_the_readme_agree_on_the_replicas() -> None:
         "deploy"
     ]["replicas"]
     assert replicas == RANKS, f"docker-compose.yml runs {replicas} replicas, the README {RANKS}"
+
+
+def _readme_test_command() -> str:
+    """The README's test command, found as .ci/run finds it (the second line
+    after its marker)."""
+    lines = README.read_text().splitlines()
+    return lines[lines.index("<!-- test-command -->") + 2]
+
+
+def test_the_readme_test_command_sets_up_docker_with_the_projects_own_script() -> None:
+    # The test command needs an engine and python:3.11-slim; it gets them as
+    # the demo command gets its own set-up, from a script of this project
+    # (not from the CI machines' ../shared), which CI runs through it.
+    command = _readme_test_command()
+    assert command.startswith(f"bash {SETUP} && "), command
+    script = ROOT / SETUP
+    assert script.is_file(), script
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "<!-- test-command -->" in ci and 'bash -c "$test_cmd"' in ci, ci
+    for text in (script.read_text(), ci):
+        assert "../shared" not in text and "docker-base" not in text
+    assert SETUP in (ROOT / "docs" / "troubleshooting.md").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_docker_setup_leaves_a_ready_host_as_it_is() -> None:
+    # The README's test command runs it every time: where the engine runs
+    # and the base image is here, it does nothing, quietly.
+    proc = subprocess.run(
+        ["bash", SETUP], cwd=ROOT, capture_output=True, text=True, timeout=280, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _engine_problem() is None
+    _run(["docker", "image", "inspect", "python:3.11-slim"])
+    assert proc.stdout + proc.stderr == "", proc.stdout + proc.stderr
 
 
 COMPOSE = BUILD[:-1]  # the compose program itself, for `port`, `down`
@@ -141,8 +176,8 @@ def image() -> Image:
             ["docker", "image", "inspect", "python:3.11-slim"], capture_output=True, check=False
         )
         hint = (
-            " (the base image python:3.11-slim is not here: docker pull python:3.11-slim, "
-            "or see docs/troubleshooting.md)"
+            f" (the base image python:3.11-slim is not here: run `bash {SETUP}`, "
+            "see docs/troubleshooting.md)"
             if base.returncode
             else ""
         )
