@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from ferrogrpc.control.membership import ElasticMembership, NotAdopted, SettingMismatch
+from ferrogrpc.control.membership import ElasticMembership
+from ferrogrpc.control.rounds import NotAdopted, SettingMismatch
 from ferrogrpc.v1 import rendezvous_pb2 as rpb
 
 
@@ -235,7 +236,7 @@ async def test_a_joiner_with_another_min_world_size_is_refused_and_the_group_goe
     await asyncio.gather(*(_enter(m, p, rpb.ENTER_JOIN, 0, min_world_size=1) for p in ("a", "b")))
     # Its heartbeat, before it enters, changes nothing either.
     m.heartbeat(rpb.HeartbeatRequest(peer_id="j", min_world_size=5))
-    with pytest.raises(SettingMismatch, match="min_world_size 5.*runs with 1"):
+    with pytest.raises(SettingMismatch, match=r"min_world_size 5.*runs with 1"):
         await _enter(m, "j", rpb.ENTER_JOIN, 0, min_world_size=5)
     assert m.min_world_size == 1 and "j" not in m.joiners
     # The members go on: a RECOVER down to one member keeps the quorum.

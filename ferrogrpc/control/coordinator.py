@@ -36,13 +36,8 @@ from ..v1 import rendezvous_pb2 as rpb
 from .coordinator_client import SERVICE
 from .coordinator_client import CoordinatorRendezvous as CoordinatorRendezvous
 from .coordinator_client import fetch_status as fetch_status
-from .membership import (
-    LOST_KEY,
-    ElasticMembership,
-    NotAdopted,
-    QuorumLostInRound,
-    SettingMismatch,
-)
+from .membership import LOST_KEY, ElasticMembership
+from .rounds import NotAdopted, QuorumLostInRound, SettingMismatch
 
 logger = logging.getLogger("ferrogrpc.coordinator")
 

@@ -57,13 +57,14 @@ how many of the epoch's syncs they had committed:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
 
 from ..v1 import rendezvous_pb2 as rpb
+from .commits import SyncLedger
+from .rounds import Entry, NotAdopted, QuorumLostInRound, SettingMismatch, _Round
 
 logger = logging.getLogger("ferrogrpc.coordinator")
 
@@ -73,58 +74,6 @@ LOST_KEY = "ferrogrpc-lost"
 
 # How often an Enter or a Commit that waits for an adoption looks again.
 POLL_S = 0.05
-
-
-@dataclasses.dataclass
-class Entry:
-    """A process as an epoch lists it."""
-
-    peer_id: str
-    address: str
-    nonce: str
-    host: str = ""
-    min_world_size: int = 0
-
-
-class SettingMismatch(Exception):  # noqa: N818 - a verdict, not a fault
-    """A joiner's setting differs from the group's (answered INVALID_ARGUMENT:
-    the joiner raises ConfigError, and the members go on)."""
-
-
-class NotAdopted(Exception):  # noqa: N818 - a verdict, not a fault
-    """An Enter or a Commit of an epoch this coordinator neither formed nor
-    adopted (answered UNAVAILABLE: the caller retries, and the heartbeats
-    that adopt its epoch may arrive meanwhile)."""
-
-
-class QuorumLostInRound(Exception):  # noqa: N818 - a verdict, not a fault
-    """The next epoch would have fewer than ``min_world_size`` members."""
-
-    def __init__(self, lost: Sequence[int], remaining: int, minimum: int) -> None:
-        super().__init__(
-            f"quorum lost: ranks {sorted(lost)} of the group are lost, {remaining} remain, "
-            f"min_world_size is {minimum}"
-        )
-        self.lost = sorted(lost)
-        self.remaining = remaining
-        self.minimum = minimum
-
-
-@dataclasses.dataclass
-class _Round:
-    """The forming of epoch ``epoch``."""
-
-    epoch: int
-    reason: int
-    # Rank order of the new epoch: kept members in their old order, then joiners.
-    order: list[str]
-    joined_from: int
-    # Ranks of the previous epoch dropped from this one.
-    dropped: list[int]
-    entered: dict[str, Entry] = dataclasses.field(default_factory=dict)
-    done: asyncio.Future[rpb.EnterResponse | None] = dataclasses.field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
 
 
 class ElasticMembership:
@@ -187,16 +136,12 @@ class ElasticMembership:
         self._answers: dict[str, rpb.EnterResponse] = {}
         # Waiters for the next round that admits joiners.
         self._admission: asyncio.Event = asyncio.Event()
-        # The current epoch's syncs: who finished the n-th, and who waits.
-        self._finished: dict[int, set[str]] = {}
-        self._verdicts: dict[int, asyncio.Future[bool]] = {}
+        # The current epoch's syncs (commits.py).
+        self.syncs = SyncLedger()
         # Every member of the last epoch left (training ended).
         self.over = False
         # The epoch whose successor failed below quorum, its members, why.
         self._quorum_lost: tuple[int, set[str], QuorumLostInRound] | None = None
-        # How many syncs of the current epoch each member had committed, as
-        # its heartbeats say (a restarted coordinator's evidence).
-        self._committed: dict[str, int] = {}
         # Heartbeats of epochs this coordinator did not form, refused.
         self.refused = 0
         # Members of the current epoch that closed their backend.
@@ -251,7 +196,7 @@ class ElasticMembership:
         if request.epoch == self.epoch and request.epoch and peer in self.members:
             if request.min_world_size:
                 self.members_min = max(self.members_min, int(request.min_world_size))
-            self._note_committed(peer, int(request.committed))
+            self.syncs.note_committed(peer, int(request.committed))
         removed: list[int] = []
         if self.round is not None and request.epoch + 1 == self.round.epoch:
             removed = list(self.round.dropped)
@@ -278,7 +223,7 @@ class ElasticMembership:
             self.over = True
             self.epoch, self.members, self.entries = 0, [], {}
             self._left.clear()
-            self._abort_syncs()
+            self.syncs.close()
         return rpb.HeartbeatResponse(epoch=self.epoch, member=False)
 
     def _may_adopt(self, request: rpb.HeartbeatRequest) -> bool:
@@ -320,12 +265,11 @@ class ElasticMembership:
                 self._stateless.add(peer)
             if not first.done.done():
                 first.done.set_result(None)
-        self._abort_syncs()
+        self.syncs.close()
         self.epoch = self.highest = int(request.epoch)
         self.members = [None] * request.world_size
         self.entries = {}
         self.round = None
-        self._committed = {}
         self._adopted_at = self.clock()
         self._formed_since_adoption = False
         self.over = False
@@ -564,7 +508,7 @@ class ElasticMembership:
         self._admission.set()
         self._admission = asyncio.Event()
         if reason == rpb.ENTER_RECOVER:
-            self._abort_syncs()
+            self.syncs.close()
         self._check_quorum(current)
         return current
 
@@ -634,14 +578,13 @@ class ElasticMembership:
         self._form(current)
 
     def _form(self, current: _Round) -> None:
-        self._abort_syncs()
+        self.syncs.close()
         order = current.order
         self._left.clear()
         self.over = False
         self.epoch = current.epoch
         self.highest = max(self.highest, current.epoch)
         self._formed_since_adoption = True
-        self._committed = {}
         self.members = list(order)
         self.entries = {p: current.entered[p] for p in order}
         self.formed += 1
@@ -698,42 +641,7 @@ class ElasticMembership:
         self.seen[peer] = self.clock()
         if self.round is not None and self.round.reason == rpb.ENTER_RECOVER:
             return False
-        finished = self._finished.setdefault(n, set())
-        finished.add(peer)
-        verdict = self._verdicts.get(n)
-        if verdict is None:
-            verdict = self._verdicts[n] = asyncio.get_running_loop().create_future()
-        if max(self._committed.values(), default=0) > n or all(
-            p is not None and p in finished for p in self.members
-        ):
-            self._grant(n)
-        return await asyncio.shield(verdict)
-
-    def _grant(self, n: int) -> None:
-        verdict = self._verdicts.get(n)
-        if verdict is not None and not verdict.done():
-            verdict.set_result(True)
-        # Older syncs are settled: forget them.
-        for old in [k for k in self._finished if k < n]:
-            del self._finished[old]
-            self._verdicts.pop(old, None)
-
-    def _note_committed(self, peer: str, committed: int) -> None:
-        """A member's heartbeat: it had ``committed`` syncs of the current
-        epoch committed. Those were decided (by this coordinator, or by the
-        one before its restart): every member asking for them gets True."""
-        if committed <= self._committed.get(peer, 0):
-            return
-        self._committed[peer] = committed
-        for k in sorted(k for k in self._verdicts if k < committed):
-            self._grant(k)
-
-    def _abort_syncs(self) -> None:
-        for verdict in self._verdicts.values():
-            if not verdict.done():
-                verdict.set_result(False)
-        self._verdicts.clear()
-        self._finished.clear()
+        return await self.syncs.finished(peer, n, self.members)
 
     # -------------------------------------------------------------- silence
 

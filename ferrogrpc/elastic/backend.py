@@ -23,10 +23,9 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import grpc
 import torch
 
 from ..algorithms.descriptor import make_stamp
@@ -43,21 +42,15 @@ from ..errors import (
 )
 from ..observe import metrics
 from ..runtime.backend import Backend, prepare
-from ..runtime.join import Ahead
+from ..runtime.join import Ahead, close_channels
 from ..runtime.peer import Peer, observer_of
 from ..samehost.plane import segment_bytes
 from ..samehost.segment import Spare
 from ..transport.grpc_streams import GrpcTransport
 from ..v1 import rendezvous_pb2 as rpb
+from .epoch import StartFailed, start_peer
 
 logger = logging.getLogger("ferrogrpc.elastic")
-
-# The most joiners a member connects to ahead of their admission.
-AHEAD_MAX = 8
-
-# How long the last epoch's failure notices may take to land when this
-# process moves to the next epoch (a Peer's close waits 2 s).
-NOTICE_GRACE_S = 0.2
 
 
 class GroupState(Protocol):
@@ -130,7 +123,6 @@ class ElasticBackend:
         # What the next epoch takes: that segment, and channels to the
         # joiners that wait (see _connect_ahead).
         self._ahead = Ahead(self._spare)
-        self._closing: set[asyncio.Task[None]] = set()
         # The state a joiner receives, and members send (ElasticState).
         self.state: GroupState | None = None
         # Where this process is (see _settle): the step it runs, 0 at its
@@ -208,16 +200,13 @@ class ElasticBackend:
         process's peer in it started.
 
         An epoch that formed, but in which this process could not start its
-        peer (a rank of it on this host died meanwhile, and its socket
-        refused: issue 60), is left at once for the one after: entered to
-        recover, naming the rank that refused, if this process was a member
-        before (it holds the state), else as a joiner. The others find this
-        process gone from that epoch and do the same.
-        """
+        peer (a rank on this host died meanwhile, and its socket refused),
+        is left at once for the next: entered to recover (naming that rank)
+        by a member, which holds the state, else as a joiner."""
         while True:
             try:
                 return self._start_epoch(reason, lost)
-            except _StartFailed as failed:
+            except StartFailed as failed:
                 formed, exc = failed.formed, failed.error
                 if self._closed:
                     raise exc from None
@@ -236,53 +225,25 @@ class ElasticBackend:
     def _start_epoch(self, reason: int, lost: Sequence[int]) -> rpb.EnterResponse:
         """One try of :meth:`_enter`.
 
-        The old peer closes while the next epoch's server starts and its
-        Enter waits for the other members (unless a fixed port must be
-        freed first); the new peer is built once it is closed (join.py's
-        ``Ahead.closing``). The close took 1.4-5.1 ms of the 12-17 ms a 100
-        MB admission's forming took, and the slowest member's set when the
-        coordinator answered. Six runs each, alternated (``client.bench
-        --elastic``, three members): the members' first step with the
-        joiner 0.086-0.102 s longer than normal, against 0.097-0.106."""
+        The old peer closes while the next epoch forms (epoch.py)."""
         old = self._current
         rendezvous = EpochRendezvous(self._client, reason, self._epoch, lost)
         s = self._s
-
         began = time.monotonic()
         closed_at = [began]
-
-        async def close_old() -> None:
-            if old is not None:
-                # The coordinator tells the members that the group moves
-                # on; notices to a stalled member would hold this up by
-                # their whole timeout.
-                await old.peer.close(notice_grace=NOTICE_GRACE_S)
-            closed_at[0] = time.monotonic()
-
-        async def run() -> Peer:
-            if s.port:  # the next server binds the same port: the old one goes first
-                await close_old()
-            else:  # it closes while the next epoch forms (Ahead.closing)
-                self._ahead.closing = asyncio.ensure_future(close_old())
-            try:
-                return await Peer.start(
-                    None,
-                    None,
-                    rendezvous=rendezvous,
-                    bind_host=self._bind,
-                    port=s.port,
-                    advertise_host=self._advertise,
-                    settings=s,
-                    ahead=self._ahead,
-                )
-            finally:
-                # A start that failed before the rendezvous was done: its
-                # error, not the close's, is what the caller sees.
-                with contextlib.suppress(Exception):
-                    await self._ahead.last_closed()
-
         self._current = None
-        starting = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        starting = asyncio.run_coroutine_threadsafe(
+            start_peer(
+                old.peer if old is not None else None,
+                rendezvous,
+                settings=s,
+                bind_host=self._bind,
+                advertise_host=self._advertise,
+                ahead=self._ahead,
+                closed_at=closed_at,
+            ),
+            self._loop,
+        )
         try:
             peer = starting.result(timeout=s.timeouts.connect + 30)
         except BaseException as exc:
@@ -299,7 +260,7 @@ class ElasticBackend:
                 and isinstance(exc, FerroGrpcError)
                 and not isinstance(exc, (QuorumLostError, ConfigError))
             ):
-                raise _StartFailed(formed, exc) from exc
+                raise StartFailed(formed, exc) from exc
             raise
         response = rendezvous.response
         assert response is not None
@@ -423,29 +384,24 @@ class ElasticBackend:
         return self._last_target
 
     def _stamp(self, on: bool) -> None:
-        """Stamp this epoch's collectives with the step (on) or not (the
-        boundary's own, where members at different places agree on where
-        the group is). Members whose stamps differ fail a collective with a
-        ProtocolError naming both steps (it is recovered from like any
-        failure): contributions of two steps never mix in one sync."""
+        """Stamp this epoch's collectives with the step (on), or not (the
+        boundary's own): members at two steps fail a collective with a
+        ProtocolError naming both, never mixing their contributions."""
         current = self._current
         if current is None or self._stamped == on:
             return
         self._stamped = on
-        current.peer.set_stamp(make_stamp(self._epoch, self._step) if on else 0)
+        current.peer._set_stamp(make_stamp(self._epoch, self._step) if on else 0)
 
     def _behind(self) -> bool:
         """After a new epoch agreed on where the group is: whether the group
-        is past this step's gradient sync, which was then committed on the
-        others and not written here (a verdict lost with a coordinator that
-        restarted, say). This process cannot catch up by running steps: it
-        leaves the group and joins again, receiving the state."""
+        is past this step's sync, committed on the others and not written
+        here. Then this process joins again, to receive the state."""
         return self._last_target > 2 * self._step + 1
 
     def _rejoin(self) -> None:
-        """Leave the epoch (the others' collectives with this process fail, and
-        they go on without it) and join again as a joiner, receiving the
-        group's state at their next boundary."""
+        """Leave the epoch (the others' collectives with this process fail)
+        and join again, receiving the state at their next boundary."""
         logger.warning(
             "rank %d is behind the group (at position %d, the group at %d): it joins again "
             "to receive the group's state",
@@ -626,9 +582,7 @@ class ElasticBackend:
         while True:
             try:
                 granted = asking.result(timeout=0.05)
-                if granted:
-                    # Heartbeats say so: a restarted coordinator grants this
-                    # sync to the members that did not hear the verdict.
+                if granted:  # heartbeats say so ([Note: a restarted coordinator])
                     self._client.set_committed(epoch, n + 1)
                 return granted
             except concurrent.futures.TimeoutError:
@@ -684,25 +638,11 @@ class ElasticBackend:
             self._loop.call_soon_threadsafe(breaking)
 
     def _connect_ahead(self, current: Backend, addresses: Sequence[str]) -> None:
-        """On the loop: open channels to the joiners that wait, at
-        ``addresses``, for the epoch that admits them (see [Note: connecting
-        ahead] in transport/grpc_streams.py); close those to joiners that
-        no longer wait. Measured with ``client.bench --elastic`` at 100 MB,
-        three members on the 2-core VM: a member's first message to the
-        joiner left 0.9-8.7 ms after it began, against 5.7-14 ms; the
-        members' pause was 0.088-0.115 s against 0.086-0.138 (six runs
-        each, alternated)."""
+        """On the loop: connect to the joiners that wait (see [Note:
+        connecting ahead] in transport/grpc_streams.py)."""
         transport = current.peer._ctx.transport
-        if current is not self._current or not isinstance(transport, GrpcTransport):
-            return
-        channels = self._ahead.channels
-        gone = [channels.pop(a) for a in list(channels) if a not in addresses]
-        if gone:
-            self._closing.add(self._loop.create_task(_close_channels(gone)))
-            self._closing = {t for t in self._closing if not t.done()}
-        for address in addresses[:AHEAD_MAX]:
-            if address not in channels:
-                channels[address] = transport.channel_ahead(address)
+        if current is self._current and isinstance(transport, GrpcTransport):
+            self._ahead.connect(transport, addresses)
 
     # --------------------------------------------------------------- close
 
@@ -717,7 +657,7 @@ class ElasticBackend:
         if channels:
             with contextlib.suppress(Exception):
                 asyncio.run_coroutine_threadsafe(
-                    _close_channels(channels.values()), self._loop
+                    close_channels(channels.values()), self._loop
                 ).result(timeout=2)
         current = self._current
         if current is not None:
@@ -738,21 +678,6 @@ class ElasticBackend:
     def __repr__(self) -> str:
         m = self._membership
         return f"<ferrogrpc.ElasticBackend rank {self.rank}/{m.world_size} epoch {m.epoch}>"
-
-
-class _StartFailed(Exception):  # noqa: N818 - a hand-off, not a fault
-    """An epoch formed (``formed``, this process's table), but this process's
-    peer in it failed to start (``error``)."""
-
-    def __init__(self, formed: rpb.EnterResponse, error: FerroGrpcError) -> None:
-        super().__init__(str(error))
-        self.formed = formed
-        self.error = error
-
-
-async def _close_channels(channels: Iterable[grpc.aio.Channel]) -> None:
-    for channel in channels:
-        await channel.close(None)
 
 
 _COLLECTIVES = frozenset(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import secrets
+from collections.abc import Iterable, Sequence
 
 import grpc
 
@@ -35,6 +36,9 @@ from ..transport.grpc_streams import HEADER_ROOM, GrpcTransport
 from ..transport.streams import Transport
 from .allocator import tune_for
 from .intake import Intake, Session, credential
+
+# The most joiners a member connects to ahead of their admission.
+AHEAD_MAX = 8
 
 
 def message_limit(policy: ChunkPolicy) -> int:
@@ -62,9 +66,29 @@ class Ahead:
     # close must precede (its observer's metrics place).
     closing: asyncio.Future[None] | None = None
 
+    # Closes of channels to joiners that no longer wait, running.
+    _closing: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)
+
     def take_channels(self) -> dict[str, grpc.aio.Channel]:
         channels, self.channels = self.channels, {}
         return channels
+
+    def connect(self, transport: GrpcTransport, addresses: Sequence[str]) -> None:
+        """On the loop: open channels (at most AHEAD_MAX) to the joiners that
+        wait, at ``addresses``, for the epoch that admits them; close those
+        to joiners that no longer wait. Measured with ``client.bench
+        --elastic`` at 100 MB, three members on the 2-core VM: a member's
+        first message to the joiner left 0.9-8.7 ms after it began, against
+        5.7-14 ms; the members' pause was 0.088-0.115 s against
+        0.086-0.138 (six runs each, alternated)."""
+        channels = self.channels
+        gone = [channels.pop(a) for a in list(channels) if a not in addresses]
+        if gone:
+            self._closing.add(asyncio.ensure_future(close_channels(gone)))
+            self._closing = {t for t in self._closing if not t.done()}
+        for address in addresses[:AHEAD_MAX]:
+            if address not in channels:
+                channels[address] = transport.channel_ahead(address)
 
     async def last_closed(self) -> None:
         """Wait for the last epoch's peer to be closed (raises what its
@@ -72,6 +96,11 @@ class Ahead:
         closing, self.closing = self.closing, None
         if closing is not None:
             await closing
+
+
+async def close_channels(channels: Iterable[grpc.aio.Channel]) -> None:
+    for channel in channels:
+        await channel.close(None)
 
 
 @dataclasses.dataclass

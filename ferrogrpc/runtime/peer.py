@@ -111,7 +111,7 @@ class Peer:
         """The address this rank advertises to the others."""
         return self._parts.address
 
-    def set_stamp(self, stamp: int) -> None:
+    def _set_stamp(self, stamp: int) -> None:
         """Stamp every collective called from now on with ``stamp``
         (descriptor.make_stamp; 0: none): ranks whose stamps differ fail the
         collective with a ProtocolError naming both, instead of mixing

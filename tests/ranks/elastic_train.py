@@ -31,10 +31,13 @@ Environment:
   as it has posted the optimizer's part of the state to a joiner (the
   model's part sent), if it can take (remove) the file: one process only.
   OUT_DIR: where the final state goes.
+  Each step's line also carries a digest of the parameters after it
+  (``params``), which every contributor to that step must share.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -127,6 +130,14 @@ def _die_sending(backend: Any, rank: int) -> None:
     fg.ElasticState.send_to_joiners = send_then_die  # type: ignore[method-assign]
 
 
+def _digest(net: nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, p in net.named_parameters():
+        if name != "pad":
+            h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def _take(path: str) -> bool:
     """Whether this process removed ``path`` (exactly one can)."""
     try:
@@ -202,6 +213,8 @@ def run(backend: Any, ddp: Any, net: Any, opt: Any, state: Any, pad_mb: int) -> 
             "extra_before": extra_before,
             "in_flight": in_flight,
             "t": time.time(),
+            # The parameters after this step: every contributor's must match.
+            "params": _digest(net),
         }
         print(json.dumps(line), flush=True)
         state.extra = {"tag": "elastic-test", "last": step}

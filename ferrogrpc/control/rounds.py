@@ -1,0 +1,63 @@
+"""What an elastic group's membership records and answers (membership.py):
+a process as an epoch lists it, the forming of an epoch, and the verdicts
+an Enter or a Commit may get instead of an answer."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Sequence
+
+from ..v1 import rendezvous_pb2 as rpb
+
+
+@dataclasses.dataclass
+class Entry:
+    """A process as an epoch lists it."""
+
+    peer_id: str
+    address: str
+    nonce: str
+    host: str = ""
+    min_world_size: int = 0
+
+
+class SettingMismatch(Exception):  # noqa: N818 - a verdict, not a fault
+    """A joiner's setting differs from the group's (answered INVALID_ARGUMENT:
+    the joiner raises ConfigError, and the members go on)."""
+
+
+class NotAdopted(Exception):  # noqa: N818 - a verdict, not a fault
+    """An Enter or a Commit of an epoch this coordinator neither formed nor
+    adopted (answered UNAVAILABLE: the caller retries, and the heartbeats
+    that adopt its epoch may arrive meanwhile)."""
+
+
+class QuorumLostInRound(Exception):  # noqa: N818 - a verdict, not a fault
+    """The next epoch would have fewer than ``min_world_size`` members."""
+
+    def __init__(self, lost: Sequence[int], remaining: int, minimum: int) -> None:
+        super().__init__(
+            f"quorum lost: ranks {sorted(lost)} of the group are lost, {remaining} remain, "
+            f"min_world_size is {minimum}"
+        )
+        self.lost = sorted(lost)
+        self.remaining = remaining
+        self.minimum = minimum
+
+
+@dataclasses.dataclass
+class _Round:
+    """The forming of epoch ``epoch``."""
+
+    epoch: int
+    reason: int
+    # Rank order of the new epoch: kept members in their old order, then joiners.
+    order: list[str]
+    joined_from: int
+    # Ranks of the previous epoch dropped from this one.
+    dropped: list[int]
+    entered: dict[str, Entry] = dataclasses.field(default_factory=dict)
+    done: asyncio.Future[rpb.EnterResponse | None] = dataclasses.field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
