@@ -357,12 +357,12 @@ def _exp_avg(header: dict[str, Any]) -> int:
 @pytest.mark.timeout(30)
 def test_a_corrupt_state_header_is_a_protocol_error_naming_its_sender() -> None:
     import ferrogrpc as fg
-    from ferrogrpc.elastic.state import _read_header, _Sender
+    from ferrogrpc.elastic.header import Sender, read_header
 
     header = _sent_header()
     own = _own_adam()
-    sender = _Sender(0, 2, 3, "127.0.0.1:1000")
-    assert _read_header(json.dumps(header).encode(), own, sender).step == 7  # as sent: fine
+    sender = Sender(0, 2, 3, "127.0.0.1:1000")
+    assert read_header(json.dumps(header).encode(), own, sender).step == 7  # as sent: fine
     first = _exp_avg(header)
     corrupt: dict[str, bytes] = {
         "not JSON": b'{"format": 3, "step": ',
@@ -400,7 +400,7 @@ def test_a_corrupt_state_header_is_a_protocol_error_naming_its_sender() -> None:
     for what, raw in corrupt.items():
         began = time.perf_counter()
         with pytest.raises(fg.ProtocolError) as caught:
-            _read_header(raw, own, sender)
+            read_header(raw, own, sender)
         assert time.perf_counter() - began < 1.0, what
         err = caught.value
         assert err.peer == 0 and err.rank == 2, what
@@ -409,9 +409,9 @@ def test_a_corrupt_state_header_is_a_protocol_error_naming_its_sender() -> None:
     # A header that is whole but describes another model or optimizer: a
     # ConfigError naming the difference, a huge shape included.
     with pytest.raises(fg.ConfigError, match=r"param:0.weight is torch.float32 \(4, 3\) here"):
-        _read_header(_corrupt(header, ["tensors", 0, 2], [2**40, 2**40]), own, sender)
+        read_header(_corrupt(header, ["tensors", 0, 2], [2**40, 2**40]), own, sender)
     with pytest.raises(fg.ConfigError, match="run the same ferrogrpc"):
-        _read_header(_corrupt(header, ["format"], 2), own, sender)
+        read_header(_corrupt(header, ["format"], 2), own, sender)
 
 
 @pytest.mark.timeout(30)
@@ -467,13 +467,13 @@ def test_a_state_tensor_of_another_shape_than_its_parameter_is_a_protocol_error(
     # Within every bound of size, still not what Adam keeps: exp_avg of a
     # (4, 3) weight sent as (3, 4); and a state entry named twice.
     import ferrogrpc as fg
-    from ferrogrpc.elastic.state import _read_header, _Sender
+    from ferrogrpc.elastic.header import Sender, read_header
 
     header = _sent_header()
-    sender = _Sender(0, 2, 3, "127.0.0.1:1000")
+    sender = Sender(0, 2, 3, "127.0.0.1:1000")
     transposed = _corrupt(header, ["tensors", _exp_avg(header), 2], [3, 4])
     with pytest.raises(fg.ProtocolError, match=r"has shape \(3, 4\), parameter 0 \(4, 3\)"):
-        _read_header(transposed, _own_adam(), sender)
+        read_header(transposed, _own_adam(), sender)
     twice = json.dumps(header).replace('"state": {"0": ', '"state": {"00": {}, "0": ')
     with pytest.raises(fg.ProtocolError, match="optimizer state entry '0'"):
-        _read_header(twice.encode(), _own_adam(), sender)
+        read_header(twice.encode(), _own_adam(), sender)
