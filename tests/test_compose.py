@@ -77,6 +77,23 @@ def _readme_compose_commands() -> tuple[list[str], list[str]]:
 BUILD, UP = _readme_compose_commands()
 
 
+def _readme_elastic_commands() -> tuple[str, str, str]:
+    """The README's elastic compose example, each line as bash runs it: up,
+    a docker kill of one replica, then up -d that adds one back."""
+    text = README.read_text()
+    marker = text.index("<!-- elastic-compose-commands -->")
+    block = text[marker:].split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [line.strip() for line in block.splitlines() if line.strip()]
+    assert len(lines) == 3, f"the README's elastic compose block: up, kill, up -d: {block}"
+    up, kill, add = lines
+    assert f"up --scale rank={RANKS}" in up and "docker kill" in kill, lines
+    assert f"up -d --scale rank={RANKS}" in add, lines
+    return up, kill, add
+
+
+ELASTIC_UP, ELASTIC_KILL, ELASTIC_ADD = _readme_elastic_commands()
+
+
 def test_the_compose_file_and_the_readme_agree_on_the_replicas() -> None:
     replicas = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["rank"][
         "deploy"
@@ -89,6 +106,31 @@ def _readme_test_command() -> str:
     after its marker)."""
     lines = README.read_text().splitlines()
     return lines[lines.index("<!-- test-command -->") + 2]
+
+
+def test_the_elastic_example_leaves_time_to_kill_a_replica() -> None:
+    # Both up commands name one env file, which makes the group elastic and
+    # runs long enough to `docker kill` a replica and add one back (its 20
+    # steps took 8 s when the example ran with the compose file's defaults).
+    files = [
+        shlex.split(c)[shlex.split(c).index("--env-file") + 1] for c in (ELASTIC_UP, ELASTIC_ADD)
+    ]
+    assert files[0] == files[1], files
+    settings = dict(
+        line.split("=", 1)
+        for line in (ROOT / files[0]).read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    )
+    assert settings["FERROGRPC_ELASTIC"] == "1", settings
+    assert int(settings["FERROGRPC_STEPS"]) * float(settings["FERROGRPC_STEP_SLEEP"]) >= 60
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FERROGRPC_")}
+    config = yaml.safe_load(_run([*COMPOSE, "--env-file", files[0], "config"], env=env))
+    rank = config["services"]["rank"]
+    assert rank["environment"]["FERROGRPC_ELASTIC"] == "1", rank["environment"]
+    assert (
+        rank["command"][rank["command"].index("--step-sleep") + 1]
+        == settings["FERROGRPC_STEP_SLEEP"]
+    )
 
 
 def test_the_readme_test_command_sets_up_docker_with_the_projects_own_script() -> None:
@@ -197,10 +239,11 @@ class Project:
         self.log = log
         self.up: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def start(self, argv: list[str] | None = None) -> None:
+        """Run ``argv`` (default: the README's up command) in the background."""
         with self.log.open("wb") as out:
             self.up = subprocess.Popen(
-                UP, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT
+                argv or UP, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT
             )
 
     def output(self) -> str:
@@ -649,14 +692,18 @@ class Prometheus:
 def test_elastic_compose_survives_a_docker_kill_and_a_scaled_up_replica_joins(
     image: Image, tmp_path: Path, report: Callable[[str], None]
 ) -> None:
-    # README, "Elastic training": up --scale rank=4; docker kill one replica
-    # mid-run, the other three go on; up -d --scale rank=4 again, and the new
-    # replica joins. Every step, every member logs the same loss and
-    # parameter checksum. With the monitoring profile: Prometheus holds a
-    # series from every rank, and sees the membership epoch move.
+    # README, "Elastic training", its three compose lines as written: up
+    # --scale rank=4; docker kill of one replica mid-run, the other three go
+    # on; up -d --scale rank=4 again, which recreates none of the three (it
+    # did, ending the run, when the README's first line alone set
+    # FERROGRPC_ELASTIC=1), and a replica joins. Every step, every member
+    # logs the same loss and parameter checksum. With the monitoring
+    # profile: Prometheus holds a series from every rank, and sees the
+    # membership epoch move. FERROGRPC_ELASTIC comes from the README's
+    # words alone; the shell below sets the same run length and pace for
+    # every command, shorter than the example's.
     steps = 120
     variables = {
-        "FERROGRPC_ELASTIC": "1",
         "FERROGRPC_WORLD_SIZE": str(RANKS),
         "FERROGRPC_STEPS": str(steps),
         "FERROGRPC_STEP_SLEEP": "0.05",
@@ -674,8 +721,9 @@ def test_elastic_compose_survives_a_docker_kill_and_a_scaled_up_replica_joins(
     world = 'ferrogrpc_world_size{job="ferrogrpc-rank"}'
     members = 'ferrogrpc_group_members{job="ferrogrpc-coordinator"}'
     with compose_project(image, tmp_path, **variables) as project:
+        project.env.pop("FERROGRPC_ELASTIC", None)
         _build_prometheus(project)
-        project.start()
+        project.start(["bash", "-c", ELASTIC_UP])
         _wait_healthy(project)
         prometheus = Prometheus(_published(project, "prometheus", 9090))
 
@@ -689,19 +737,27 @@ def test_elastic_compose_survives_a_docker_kill_and_a_scaled_up_replica_joins(
             ok = len(ids) == RANKS and all('"step": 5,' in _logs(c) for c in ids)
             return ids if ok else []
 
-        ids: list[str] = project.wait_for(  # type: ignore[assignment]
-            "every replica past step 5", 150, training, interval=0.5
-        )
-        victim = ids[-1]
-        _run(["docker", "kill", victim])
+        project.wait_for("every replica past step 5", 150, training, interval=0.5)
+        _run(["bash", "-c", ELASTIC_KILL], env=project.env)
         killed_at = time.time()
+        started = {c: _state(c) for c in project.containers("rank")}
+        survivors = {c: st["StartedAt"] for c, st in started.items() if st["Running"]}
+        assert len(survivors) == RANKS - 1, started
         project.wait_for(
             "the other replicas training with 3",
             60,
             lambda: any(r.get("world_size") == RANKS - 1 for r in records()),
         )
         smaller = time.time() - killed_at
-        _run([*COMPOSE, "up", "-d", "--scale", f"rank={RANKS}"], env=project.env, timeout=120)
+        _run(["bash", "-c", ELASTIC_ADD], env=project.env, timeout=120)
+        # The running replicas are the same containers, never restarted.
+        now = {c: _state(c) for c in project.containers("rank")}
+        kept = {c: st["StartedAt"] for c, st in now.items() if c in survivors and st["Running"]}
+        after = {c: (st["StartedAt"], st["Running"]) for c, st in now.items()}
+        assert kept == survivors, (
+            f"`{ELASTIC_ADD}` recreated or restarted running replicas: "
+            f"before {survivors}, after {after}"
+        )
         grown = project.wait_for(
             "a replica joining the 3",
             120,
@@ -743,6 +799,10 @@ def test_elastic_compose_survives_a_docker_kill_and_a_scaled_up_replica_joins(
     assert {RANKS - 1, RANKS} <= {w for ws in worlds.values() for w in ws}
     finished = [c for c, st in states.items() if st["ExitCode"] == 0]
     assert len(finished) >= RANKS, {c: st["ExitCode"] for c, st in states.items()}
+    # The three that went on through the kill and the addition trained to the end.
+    for c in survivors:
+        last = max(int(r["step"]) for r in _records(logs[c]) if "step" in r)  # type: ignore[call-overload]
+        assert states[c]["ExitCode"] == 0 and last == steps - 1, (c, last, states[c])
     first_joined = min(int(r["step"]) for r in grown)  # type: ignore[call-overload]
     # Prometheus held a series from each of the 4 ranks, counting
     # collectives, with the world size; the coordinator's member count; and
