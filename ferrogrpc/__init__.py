@@ -28,7 +28,8 @@ from .wrappers.registration import register_when_torch_loads
 
 if TYPE_CHECKING:
     from . import testing
-    from .elastic.backend import ElasticBackend, Membership
+    from .elastic.backend import ElasticBackend
+    from .elastic.epoch import Membership
     from .elastic.state import ElasticState
     from .ops import SUPPORTED_DTYPES, ReduceOp
     from .runtime.backend import Backend
@@ -48,7 +49,7 @@ _ON_FIRST_USE = {
     "DiLoCo": "ferrogrpc.wrappers.diloco",
     "ElasticBackend": "ferrogrpc.elastic.backend",
     "ElasticState": "ferrogrpc.elastic.state",
-    "Membership": "ferrogrpc.elastic.backend",
+    "Membership": "ferrogrpc.elastic.epoch",
     "FSDP": "ferrogrpc.wrappers.fsdp",
     "Peer": "ferrogrpc.runtime.peer",
     "ReduceOp": "ferrogrpc.ops",

@@ -124,7 +124,8 @@ def elastic_state(
     """An ElasticState over an ElasticBackend of ``world`` ranks whose
     point-to-point messages go over ``wire``; and a list that its close
     appends to."""
-    from ferrogrpc.elastic.backend import ElasticBackend, Membership
+    from ferrogrpc.elastic.backend import ElasticBackend
+    from ferrogrpc.elastic.epoch import Membership
     from ferrogrpc.elastic.state import ElasticState
 
     backend = ElasticBackend.__new__(ElasticBackend)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
@@ -48,7 +47,7 @@ from ..samehost.plane import segment_bytes
 from ..samehost.segment import Spare
 from ..transport.grpc_streams import GrpcTransport
 from ..v1 import rendezvous_pb2 as rpb
-from .epoch import StartFailed, start_peer
+from .epoch import Membership, Settling, StartFailed, removal, start_peer
 
 logger = logging.getLogger("ferrogrpc.elastic")
 
@@ -67,16 +66,6 @@ class GroupState(Protocol):
     def finish_transfer(self) -> None: ...
     def abandon_transfer(self) -> None: ...
     def rejoined(self) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Membership:
-    """An elastic group's current epoch: its number (1 for the first), its
-    size, and its members' addresses in rank order."""
-
-    epoch: int
-    world_size: int
-    members: tuple[str, ...]
 
 
 class ElasticBackend:
@@ -325,9 +314,24 @@ class ElasticBackend:
         member and joined again: it then holds the group's state (received
         through its ElasticState), and the step it was in is discarded.
 
+        The new epoch may fail too (a member lost while the state is handed
+        out, or while the position is agreed): then this recovers again.
+
         Raises:
             QuorumLostError: fewer than ``min_world_size`` would remain.
         """
+        rejoined = False
+        while True:
+            try:
+                return self._recover_once(cause) or rejoined
+            except Settling as failed:
+                rejoined = rejoined or failed.rejoined
+                cause = failed.error
+                if self._closed:
+                    raise cause from None
+                logger.info("the new epoch failed as it settled (%s): recovering again", cause)
+
+    def _recover_once(self, cause: FerroGrpcError | None) -> bool:
         with self._lock:
             removed_me = self._removed_me
             lost = list(self._removed_ranks)
@@ -363,7 +367,12 @@ class ElasticBackend:
         rejoined = self.rank >= self._joined_from
         if rejoined:
             logger.info("rank %d of the last epoch joined again as rank %d", was, self.rank)
-        self._settle()
+        try:
+            self._settle()
+        except (QuorumLostError, ConfigError):
+            raise
+        except FerroGrpcError as exc:
+            raise Settling(exc, rejoined) from exc
         return rejoined
 
     def _settle(self) -> int:
@@ -410,7 +419,12 @@ class ElasticBackend:
             self._last_target,
         )
         self._enter(rpb.ENTER_JOIN)
-        self._settle()
+        try:
+            self._settle()
+        except (QuorumLostError, ConfigError):
+            raise
+        except FerroGrpcError as exc:
+            self.recover(exc)
 
     def _receive_state(self) -> None:
         if self.state is None:
@@ -520,7 +534,7 @@ class ElasticBackend:
                 self._enter(rpb.ENTER_GROW)
                 if self._settle() > 2 * self._step:
                     return received
-            except QuorumLostError:
+            except (QuorumLostError, ConfigError):
                 raise
             except FerroGrpcError as exc:
                 if self._closed:
@@ -605,33 +619,20 @@ class ElasticBackend:
                 self._loop.call_soon_threadsafe(
                     self._connect_ahead, current, tuple(response.joiner_addresses)
                 )
-        removed_me = not response.member and response.epoch >= self._epoch
-        removed = list(response.removed) if response.epoch == self._epoch else []
-        moving_on = response.recover_pending and response.epoch == self._epoch
-        if not (removed_me or (moving_on and removed)):
+        notice = removal(response, self._epoch)
+        if notice is None:
             return
         with self._lock:
             if current is not self._current:
                 return
-            self._removed_me = self._removed_me or removed_me
-            self._removed_ranks = sorted(set(self._removed_ranks) | set(removed))
-        if removed_me:
-            message = (
-                "this process was removed from the elastic group (silent past "
-                "FERROGRPC_HEARTBEAT_TIMEOUT): it joins again at the next step boundary"
-            )
-            culprit = None
-        else:
-            message = (
-                f"ranks {removed} of epoch {self._epoch} were removed from the elastic group "
-                "(lost, or silent past FERROGRPC_HEARTBEAT_TIMEOUT): the group moves on "
-                "without them"
-            )
-            culprit = removed[0]
+            self._removed_me = self._removed_me or notice.me
+            self._removed_ranks = sorted(set(self._removed_ranks) | set(notice.ranks))
         peer = current.peer
 
         def breaking() -> None:
-            err = peer._me.error(PeerError, message, peer=culprit, evidence=Evidence.UNREACHABLE)
+            err = peer._me.error(
+                PeerError, notice.message, peer=notice.culprit, evidence=Evidence.UNREACHABLE
+            )
             peer._ctx.failure.declare(err, broadcast=False)
 
         with contextlib.suppress(RuntimeError):  # the loop is closing

@@ -1,11 +1,12 @@
-"""Starting an elastic group's next epoch's peer while the last epoch's
-closes (ElasticBackend._enter), and the failure of a start in an epoch
-that formed."""
+"""One epoch of an elastic group, as ElasticBackend lives it: what it is
+(Membership), starting its peer while the last epoch's closes, the ways
+its start or its settling fails, and what a heartbeat says about it."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 
 from ..control.membership_client import EpochRendezvous
@@ -18,6 +19,57 @@ from ..v1 import rendezvous_pb2 as rpb
 # How long the last epoch's failure notices may take to land when this
 # process moves to the next epoch (a Peer's close waits 2 s).
 NOTICE_GRACE_S = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class Membership:
+    """An elastic group's current epoch: its number (1 for the first), its
+    size, and its members' addresses in rank order."""
+
+    epoch: int
+    world_size: int
+    members: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Removal:
+    """A heartbeat's news that the group moves on without finishing this
+    process's epoch: without ranks of it, or without this process (``me``)."""
+
+    me: bool
+    ranks: list[int]
+    message: str
+    culprit: int | None
+
+
+def removal(response: rpb.HeartbeatResponse, epoch: int) -> Removal | None:
+    """What ``response`` says about ``epoch`` (None: nothing to act on)."""
+    me = not response.member and response.epoch >= epoch
+    ranks = list(response.removed) if response.epoch == epoch else []
+    moving_on = response.recover_pending and response.epoch == epoch
+    if me:
+        message = (
+            "this process was removed from the elastic group (silent past "
+            "FERROGRPC_HEARTBEAT_TIMEOUT): it joins again at the next step boundary"
+        )
+        return Removal(True, ranks, message, None)
+    if moving_on and ranks:
+        message = (
+            f"ranks {ranks} of epoch {epoch} were removed from the elastic group (lost, or "
+            "silent past FERROGRPC_HEARTBEAT_TIMEOUT): the group moves on without them"
+        )
+        return Removal(False, ranks, message, ranks[0])
+    return None
+
+
+class Settling(Exception):  # noqa: N818 - a hand-off, not a fault
+    """A new epoch failed as it settled (``error``), after this process had
+    (``rejoined``) or had not received the state in it."""
+
+    def __init__(self, error: FerroGrpcError, rejoined: bool) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.rejoined = rejoined
 
 
 class StartFailed(Exception):  # noqa: N818 - a hand-off, not a fault

@@ -112,11 +112,7 @@ class Peer:
         return self._parts.address
 
     def _set_stamp(self, stamp: int) -> None:
-        """Stamp every collective called from now on with ``stamp``
-        (descriptor.make_stamp; 0: none): ranks whose stamps differ fail the
-        collective with a ProtocolError naming both, instead of mixing
-        contributions. An elastic group stamps each step's collectives with
-        its epoch and step (ElasticBackend)."""
+        """Stamp the collectives called from now on (Engine.stamp)."""
         self._engine.stamp = stamp
 
     @property
