@@ -206,3 +206,27 @@ async def test_a_rank_of_another_ferrogrpc_version_is_named_as_such() -> None:
     for r, res in enumerate(results):
         assert isinstance(res, fg.ProtocolError), (r, res)
         assert "protocol" in str(res) and "run one version everywhere" in str(res), (r, res)
+
+
+@pytest.mark.parametrize("numel", [4, 1 << 18])  # one exchange, and the ring
+async def test_ranks_at_different_steps_never_mix_their_contributions(numel: int) -> None:
+    # An elastic group stamps a step's collectives with its epoch and step
+    # (ElasticBackend._stamp): members at two steps, same shapes otherwise,
+    # fail the sync naming both steps (issue 61: a sync once mixed step 783
+    # of trained members with step 0 of fresh processes).
+    from ferrogrpc.algorithms.descriptor import make_stamp
+
+    def at(step: int) -> Call:
+        async def call(p: fg.Peer) -> object:
+            p._set_stamp(make_stamp(7, step))
+            return await p.all_reduce(torch.ones(numel, dtype=torch.float64))
+
+        return call
+
+    await _expect_protocol_error(
+        3,
+        [at(783), at(0), at(783)],
+        "ranks disagree on stamp",
+        "epoch 7 step 783",
+        "epoch 7 step 0",
+    )

@@ -49,8 +49,11 @@ def make_stamp(epoch: int, step: int) -> int:
 # The streams' protocol version, in every descriptor: 2, a ring ends with
 # world - 1 end markers and no round trip ([Note: end markers], ring.py);
 # 3, a ring's float32 chunks may come packed (transport/planes.py), which
-# a rank of version 2 would take for a chunk of the wrong size.
-PROTOCOL = 3
+# a rank of version 2 would take for a chunk of the wrong size; 4, an int8
+# or int4 block marks non-finite values in its scale's sign, a float64
+# tensor's scales are float64 ([Note: non-finite values], quantized.py), and
+# a descriptor may carry a stamp, which a rank of version 3 would ignore.
+PROTOCOL = 4
 
 _REDUCING = (pb.ALL_REDUCE, pb.REDUCE_SCATTER)
 
