@@ -810,3 +810,28 @@ def test_a_member_stalled_at_start_up_is_removed_and_joins_again_without_a_livel
     # Epoch 1, epoch 2 without it, epoch 3 with it again: no recovery loop.
     epochs = {d["epoch"] for d in run.lines() if "epoch" in d}
     assert max(epochs) <= 4, (sorted(epochs), run.output())
+
+
+@pytest.mark.timeout(120)
+def test_a_joiner_with_another_min_world_size_gets_a_config_error_and_the_group_goes_on(
+    tmp_path: Path,
+) -> None:
+    # Issue 55 item 8: a joiner started with min_world_size 5 (the members
+    # run with 2) made every member raise QuorumLostError: the coordinator
+    # kept the largest value it ever saw. Now the joiner is refused,
+    # naming the setting, and the members train on.
+    steps = 40
+    run = Run(tmp_path, 2, STEPS=str(steps), SLOW="0.1", PACE="0.1")
+    try:
+        run.wait_for(lambda: [d for d in run.lines() if d.get("step", 0) >= 3], 60, "no steps")
+        run.env = {**run.env, "MIN_WORLD": "5"}
+        joiner = run.start_rank()
+        joiner.wait(timeout=60)
+        codes = run.finish(60)
+    finally:
+        run.close()
+    assert codes[:2] == [0, 0] and codes[2] != 0, (codes, run.output())
+    assert "ConfigError" in joiner.stdout and "min_world_size 5" in joiner.stdout, joiner.stdout
+    assert "runs with 2" in joiner.stdout, joiner.stdout
+    by_step = check_training(run, steps)
+    assert all(len(lines) == 2 for lines in by_step.values())
