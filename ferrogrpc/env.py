@@ -60,7 +60,8 @@ PACK_ENV: Final = "FERROGRPC_PACK"
 # gRPC's receive window on a peer's streams, bytes (see [Note: a fixed
 # receive window] in transport/grpc_streams.py); "auto" leaves gRPC's own.
 GRPC_WINDOW_ENV: Final = "FERROGRPC_GRPC_WINDOW"
-# The coordinator's: the most ranks an elastic round takes.
+# The coordinator's: the most ranks a round sized by who joins (or an elastic
+# epoch) takes.
 MAX_RANKS_ENV: Final = "FERROGRPC_MAX_RANKS"
 # Elastic groups (elastic/): on, the fewest members, and how long a member
 # may be silent before the coordinator removes it.

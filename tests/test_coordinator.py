@@ -81,7 +81,7 @@ async def test_a_joiner_that_gives_up_frees_its_slot() -> None:
         await coordinator.stop(0)
 
 
-async def test_elastic_round_is_sized_by_who_joined() -> None:
+async def test_a_round_without_a_world_size_is_sized_by_who_joined() -> None:
     coordinator = Coordinator(0, min_ranks=2, join_window=0.5)
     port = await coordinator.start("127.0.0.1:0")
     try:

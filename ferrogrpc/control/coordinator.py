@@ -48,7 +48,7 @@ class Limits:
     (a longer message is refused by gRPC before it is read); the others cap
     a Join's fields, in characters; ``peer_id_min`` keeps ids unguessable
     (and rules out the protobuf default, ""); ``max_ranks`` caps the members
-    of an elastic round (``FERROGRPC_MAX_RANKS``); the fixed world size caps
+    of a round sized by who joins (``FERROGRPC_MAX_RANKS``); the fixed world size caps
     the others."""
 
     request_bytes: int = 16 << 10
@@ -139,7 +139,7 @@ class Coordinator:
             )
         if min_ranks < 1 or join_window <= 0:
             raise ConfigError("min_ranks must be >= 1 and join_window > 0")
-        # 0 = elastic: the group is released once at least min_ranks peers
+        # 0 = sized by who joins: the group is released once at least min_ranks peers
         # have joined and join_window seconds pass without another joining,
         # so `docker compose up --scale rank=N` works for any N.
         self.fixed_world_size = world_size
