@@ -756,3 +756,28 @@ def test_status_of_an_elastic_group_shows_its_epoch_members_and_joiners() -> Non
                 p.kill()
                 p.wait()
         out_dir.cleanup()
+
+
+async def test_an_elastic_enter_that_times_out_says_which_of_two_causes() -> None:
+    # Issue 55 item 20, for elastic processes: nothing listening, or a
+    # coordinator that is up while the epoch does not form in time.
+    from ferrogrpc.control.membership_client import MembershipClient
+
+    def client(target: str) -> MembershipClient:
+        return MembershipClient(
+            target, token=None, tls=None, heartbeat_timeout=2.0, min_world_size=1, timeout=1.5
+        )
+
+    nobody = client(f"127.0.0.1:{free_port()}")
+    with pytest.raises(fg.RendezvousError, match=r"no coordinator answered at 127\.0\.0\.1"):
+        await nobody.enter(rpb.ENTER_JOIN, 0, [], "127.0.0.1:1", "n" * 16, "")
+    await nobody.close_channel()
+    coordinator = Coordinator(3, heartbeat_timeout=0.2)
+    port = await coordinator.start("127.0.0.1:0")
+    waiting = client(f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(fg.RendezvousError, match="the coordinator is up, but the next epoch"):
+            await waiting.enter(rpb.ENTER_JOIN, 0, [], "127.0.0.1:1", "n" * 16, "")
+    finally:
+        await waiting.close_channel()
+        await coordinator.stop()

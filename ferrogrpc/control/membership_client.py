@@ -154,8 +154,25 @@ class MembershipClient:
                     continue
                 raise RendezvousError(
                     f"entering the next epoch through the coordinator at {self.target} failed: "
-                    f"{code.name} {exc.details()}"
+                    f"{code.name} {exc.details()}{self._why(code)}"
                 ) from exc
+
+    def _why(self, code: grpc.StatusCode) -> str:
+        """Which of two causes a timeout had: nothing answers at the target,
+        or a coordinator answers and the epoch did not form in time."""
+        if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return ""
+        channel = self._channel
+        up = channel is not None and channel.get_state() is grpc.ChannelConnectivity.READY
+        if up:
+            return (
+                f" (the coordinator is up, but the next epoch did not form within "
+                f"{self.timeout:g}s: the other members did not all enter)"
+            )
+        return (
+            f" (no coordinator answered at {self.target} within {self.timeout:g}s, "
+            "FERROGRPC_CONNECT_TIMEOUT: is it running, and is the address right?)"
+        )
 
     async def commit(self, epoch: int, n: int) -> bool:
         """The n-th gradient sync of ``epoch`` finished here: True once it did
