@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 import ferrogrpc as fg
-from ferrogrpc.algorithms import quantized
-from ferrogrpc.algorithms.quantized import BLOCK, ErrorFeedback
+from ferrogrpc.algorithms import blocks, quantized
+from ferrogrpc.algorithms.blocks import BLOCK
+from ferrogrpc.algorithms.quantized import ErrorFeedback
 from ferrogrpc.ops import INT4
 from tests.helpers import ROOT, backends, on_ranks
 
@@ -70,14 +71,14 @@ def test_rounding_stays_within_127_and_half_a_step_at_every_magnitude(dtype: tor
     q = torch.empty(rows, BLOCK, dtype=torch.int8)
     scales = torch.empty(rows, dtype=dtype)  # the scales are in the tensor's dtype
     error = torch.empty_like(v)
-    quantized.round_blocks(v, q, scales, error, torch.empty_like(v))
+    blocks.round_blocks(v, q, scales, error, torch.empty_like(v))
     assert int(q.min()) >= -127 and int(q.max()) <= 127
     step = scales.to(torch.float64)[:, None]
     lost = (v.double() - q.double() * step).abs()
     # Half a step, and the product v * (1 / scale)'s own rounding (at most
     # 127 * 2**-23 of a step in float32); a block whose scale is below
-    # quantized._TINY goes as zeros.
-    sent = scales > quantized._TINY
+    # blocks._TINY goes as zeros.
+    sent = scales > blocks._TINY
     assert bool((lost[sent] <= step[sent] * (0.5 + 2e-5)).all())
     assert not q[~sent].any()
     # What it reports as lost is what was lost, as a receiver sees it (but
@@ -94,16 +95,16 @@ def test_int4_packs_every_value_two_to_a_byte() -> None:
     grid = torch.cartesian_prod(torch.arange(-7, 8), torch.arange(-7, 8)).reshape(-1)
     values = torch.cat([grid, torch.zeros(-grid.numel() % BLOCK, dtype=torch.int64)])
     out = torch.empty(values.numel() // 2, dtype=torch.uint8)
-    quantized.INT4.store(out, values.double())
-    assert torch.equal(quantized.INT4.load(out).long(), values)
+    blocks.INT4.store(out, values.double())
+    assert torch.equal(blocks.INT4.load(out).long(), values)
     # Rounding to int4 stays in range and within half a step.
     gen = torch.Generator().manual_seed(5)
     v = torch.randn(64, BLOCK, generator=gen, dtype=torch.float64)
     packed = torch.empty(64 * BLOCK // 2, dtype=torch.uint8)
     scales = torch.empty(64, dtype=torch.float64)
     error = torch.empty_like(v)
-    quantized.round_blocks(v, packed, scales, error, torch.empty_like(v), quantized.INT4)
-    q = quantized.INT4.load(packed).view(64, BLOCK).double()
+    blocks.round_blocks(v, packed, scales, error, torch.empty_like(v), blocks.INT4)
+    q = blocks.INT4.load(packed).view(64, BLOCK).double()
     assert int(q.min()) == -7 and int(q.max()) == 7
     step = scales[:, None]
     assert bool(((v - q * step).abs() <= step * (0.5 + 1e-6)).all())

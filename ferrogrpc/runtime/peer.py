@@ -5,7 +5,8 @@ stream intake, the rendezvous, the job table, the failure policy, the
 same-host plane) and composes the peer from those parts and the few it
 adds: the engine that numbers and runs every collective (engine.py), the
 placement of tensors on host buffers (placement.py), point-to-point
-messages (p2p.py) and the argument checks' refusals (refusal.py). Each
+messages (p2p.py) and the argument checks' refusals (refusal.py); then it
+checks that every rank reaches every other (ring_check.py). Each
 collective here checks its arguments (validate.py), places its tensors,
 takes a sequence number, and returns a :class:`~ferrogrpc.runtime.call.Call`.
 """
@@ -13,26 +14,24 @@ takes a sequence number, and returns a :class:`~ferrogrpc.runtime.call.Call`.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Self, TypeVar
 
 import torch
 
 from ..algorithms import schedule
+from ..algorithms.blocks import Format
 from ..algorithms.jobs import Job
 from ..algorithms.p2p import PointToPoint
-from ..algorithms.quantized import FORMATS, ErrorFeedback, Format, all_reduce_quantized
+from ..algorithms.quantized import FORMATS, ErrorFeedback, all_reduce_quantized
 from ..algorithms.staging import Stage
 from ..control.rendezvous import Rendezvous
 from ..env import Settings
-from ..errors import CollectiveTimeoutError, ConfigError, FerroGrpcError, Identity, PeerError
+from ..errors import ConfigError, FerroGrpcError, Identity, PeerError
 from ..observe import setup as observe_setup
-from ..observe import trace
 from ..observe.observer import Observer
 from ..ops import DTYPE_TO_WIRE, ReduceOp
 from ..options import ChunkPolicy, Timeouts, TLSConfig
-from ..transport.grpc_streams import GrpcTransport
 from ..transport.integrity import Checksum
 from ..transport.streams import Transport
 from ..v1 import collective_pb2 as pb
@@ -43,10 +42,9 @@ from .engine import Engine
 from .join import Ahead, Parts, join
 from .placement import Placed, Placement
 from .refusal import CallChecks, group_count
+from .ring_check import check_ring
 
 T = TypeVar("T")
-
-log = logging.getLogger(__name__)
 
 # How long close() waits for abort notices still being delivered.
 ABORT_DELIVERY_S = 2.0
@@ -218,81 +216,27 @@ class Peer:
         parts = await join(
             s, rank, world_size, rendezvous, transport, bind_host, port, advertise_host, ahead
         )
-        peer: Peer | None = None
         try:
             me = parts.ctx.identity
             peer = cls(
                 parts, placement(me) if placement is not None else Placement(me), s.chunk_policy
             )
             parts.open()
-            if me.world_size > 1:
-                if s.direct and s.tls is None and peer._mesh_fits():
-                    await peer._open_mesh(bind_host, s.timeouts.connect)
-                else:
-                    await peer._check_ring(s.timeouts.connect)
-                if s.trace_dir:
-                    # Every rank can answer a ping now: the trace's clock offset.
-                    await trace.measure_clock(
-                        parts.observer, parts.ctx.transport, s.timeouts.connect
-                    )
+            peer._mesh = await check_ring(
+                peer,
+                peer._engine,
+                parts.ctx,
+                parts.observer,
+                s,
+                credentials=parts.credentials,
+                shares_memory=parts.topology.shares_memory,
+                bind_host=bind_host,
+            )
         except BaseException:
-            if peer is not None and peer._mesh is not None:
-                peer._mesh.close()
             await parts.close()
             raise
         parts.rendezvous.start_heartbeats(parts.jobs.current)
         return peer
-
-    def _mesh_fits(self) -> bool:
-        """Whether small collectives would otherwise cross gRPC between every
-        pair of ranks: no direct sockets on one host, no two ranks sharing
-        memory, and gRPC addresses to reach."""
-        parts = self._parts
-        return (
-            self._engine.direct is None
-            and not parts.topology.shares_memory
-            and isinstance(parts.ctx.transport, GrpcTransport)
-        )
-
-    async def _open_mesh(self, bind_host: str, timeout: float) -> None:
-        """Form the TCP mesh, or agree to go without it (see [Note: the TCP
-        mesh] in direct_mesh.py). The ports go round in the all-gather that
-        checks the ring (instead of its barrier): no collective more."""
-        mesh = TcpMesh(self._ctx, self._parts.credentials)
-        self._mesh = mesh
-        try:
-            port = mesh.listen(bind_host)
-        except OSError as exc:
-            log.debug("rank %d: no TCP mesh listener: %r", self.rank, exc)
-            port = 0
-        ports = await self._check_ring(timeout, port)
-        if min(ports) > 0 and await mesh.connect(ports):
-            self._ctx.mailboxes.on_arrival = mesh.note_arrival
-            self._engine.attach_direct(mesh)
-            return
-        self._mesh = None
-        mesh.close()
-        if self.rank == 0:
-            log.warning(
-                "ferrogrpc: the ranks could not all reach each other's TCP mesh port "
-                "(a firewall that lets only the gRPC ports through?); small collectives "
-                "go over gRPC instead. FERROGRPC_DIRECT=0 skips this attempt."
-            )
-
-    async def _check_ring(self, timeout: float, port: int | None = None) -> list[int]:
-        """A barrier (or, with ``port``, an all-gather of every rank's mesh
-        port, returned) within ``timeout``: every rank reaches every other."""
-        try:
-            async with asyncio.timeout(timeout):
-                if port is None:
-                    await self.barrier()
-                    return []
-                ports = await self.all_gather(torch.tensor([port], dtype=torch.int64))
-                return [int(p.item()) for p in ports]
-        except TimeoutError as exc:
-            raise self._me.error(
-                CollectiveTimeoutError, f"the ring did not form within {timeout:g}s"
-            ) from exc
 
     def all_reduce(
         self,
