@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from .wrappers.fsdp import FSDP
 
 __version__ = "0.1.0"
+"""The package's version."""
 
 # The names that need torch, and the module each comes from.
 _ON_FIRST_USE = {

@@ -33,6 +33,12 @@ class ReduceOp(enum.Enum):
 
     @classmethod
     def coerce(cls, op: object) -> ReduceOp:
+        """The op that ``op`` names: a ReduceOp, one of the lowercase
+        strings, or a ``torch.distributed.ReduceOp`` (``AVG`` is ``MEAN``).
+
+        Raises:
+            ConfigError: ``op`` names no op here (``PREMUL_SUM`` among them).
+        """
         if isinstance(op, ReduceOp):
             return op
         if isinstance(op, str):
@@ -59,6 +65,7 @@ class ReduceOp(enum.Enum):
 
     @property
     def bitwise(self) -> bool:
+        """Whether the op is ``BAND``, ``BOR`` or ``BXOR`` (integer dtypes only)."""
         return self in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
@@ -79,6 +86,8 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.int16,
     torch.bool,
 )
+"""The tensor dtypes every collective takes (the wire dtypes of compressed
+collectives are another matter: ``wire_dtype``)."""
 
 DTYPE_TO_WIRE: dict[torch.dtype, int] = {
     torch.float32: pb.FLOAT32,

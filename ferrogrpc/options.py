@@ -117,6 +117,12 @@ class TLSConfig:
 
     @classmethod
     def from_files(cls, cert: str, key: str, ca: str, server_name: str | None = None) -> TLSConfig:
+        """Read the PEM files: this process's certificate chain, its private
+        key and the CA that signs every rank's certificate.
+
+        Raises:
+            ConfigError: a file cannot be read or holds no PEM.
+        """
         try:
             with open(cert, "rb") as c, open(key, "rb") as k, open(ca, "rb") as a:
                 return cls(c.read(), k.read(), a.read(), server_name)

@@ -93,12 +93,15 @@ def init_backend(
     step boundary, in its first ``ElasticState.steps()``.
 
     Args:
-        rank, world_size, master_addr, master_port: torch's env:// values;
-            left None, read from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
-            ``MASTER_PORT``. The rendezvous is torch's TCPStore at
-            ``master_addr:master_port``, hosted by rank 0, or by torchrun's
-            agent under ``TORCHELASTIC_USE_AGENT_STORE=True`` (every rank is
-            then a client).
+        rank: this process's rank (torch's env:// values; left None, this
+            and the next three are read from ``RANK``, ``WORLD_SIZE``,
+            ``MASTER_ADDR`` and ``MASTER_PORT``).
+        world_size: the number of ranks.
+        master_addr: the host of the rendezvous, torch's TCPStore, hosted by
+            rank 0, or by torchrun's agent under
+            ``TORCHELASTIC_USE_AGENT_STORE=True`` (every rank is then a
+            client).
+        master_port: the TCPStore's port.
         coordinator: ``"host:port"`` of a coordinator (``ferrogrpc coordinator``;
             or ``FERROGRPC_COORDINATOR``), which assigns the rank and the
             world size instead: identical replicas need no RANK.

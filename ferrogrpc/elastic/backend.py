@@ -132,26 +132,36 @@ class ElasticBackend:
 
     @property
     def rank(self) -> int:
+        """This process's rank in the current epoch, renumbered densely
+        when the group changes. A joiner's is -1 until ``steps()`` admits it
+        (and a member removed for a stall is -1 until it is admitted again)."""
         return self._current.rank if self._current is not None else -1
 
     @property
     def world_size(self) -> int:
+        """The current epoch's number of members (0 before the first)."""
         return self._membership.world_size
 
     @property
     def membership(self) -> Membership:
+        """The current epoch: its number, world size and members."""
         return self._membership
 
     @property
     def address(self) -> str:
+        """The ``host:port`` of this process's peer in the current epoch
+        (empty while it waits to be admitted)."""
         return self._current.address if self._current is not None else ""
 
     @property
     def data_path(self) -> str:
+        """The current epoch's data path (see :attr:`Backend.data_path`);
+        ``"none"`` while this process waits to be admitted."""
         return self._current.data_path if self._current is not None else "none"
 
     @property
     def peer(self) -> Peer:
+        """The current epoch's asyncio peer."""
         return self._require().peer
 
     @property

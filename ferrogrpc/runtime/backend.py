@@ -98,10 +98,12 @@ class Backend:
 
     @property
     def rank(self) -> int:
+        """This process's rank, 0 to ``world_size - 1``."""
         return self._peer.rank
 
     @property
     def world_size(self) -> int:
+        """The number of ranks in the group."""
         return self._peer.world_size
 
     @property
@@ -111,6 +113,7 @@ class Backend:
 
     @property
     def address(self) -> str:
+        """The ``host:port`` other ranks dial for this rank's peer."""
         return self._peer.address
 
     @property

@@ -98,10 +98,12 @@ class Peer:
 
     @property
     def rank(self) -> int:
+        """This peer's rank, 0 to ``world_size - 1``."""
         return self._me.rank
 
     @property
     def world_size(self) -> int:
+        """The number of ranks in the group."""
         return self._me.world_size
 
     @property

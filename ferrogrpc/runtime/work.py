@@ -54,6 +54,7 @@ class Work(Generic[T]):
             ) from None
 
     def is_completed(self) -> bool:
+        """Whether the collective has ended, done or failed (never blocks)."""
         return self._future.done()
 
     def when_done(self) -> concurrent.futures.Future[float]:

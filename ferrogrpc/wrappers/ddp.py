@@ -229,6 +229,7 @@ class DDP(nn.Module):
 
     @property
     def backend(self) -> Backend | ElasticBackend:
+        """The backend whose collectives sync the gradients."""
         return self._backend
 
     # -------------------------------------------------------------- buckets
@@ -532,6 +533,8 @@ class DDP(nn.Module):
     # ---------------------------------------------------------- module API
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's forward, unchanged (local: the gradients are
+        reduced in backward and :meth:`sync_gradients`)."""
         return self.module(*args, **kwargs)
 
     def into_inner(self) -> nn.Module:

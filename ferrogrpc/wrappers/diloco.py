@@ -277,6 +277,7 @@ class DiLoCo:
 
     @property
     def backend(self) -> Backend:
+        """The backend whose collectives run the outer syncs."""
         return self._backend
 
     @property

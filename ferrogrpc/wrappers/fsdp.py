@@ -166,6 +166,7 @@ class FSDP(nn.Module):
 
     @property
     def backend(self) -> Backend:
+        """The backend whose collectives gather and reduce-scatter."""
         return self._backend
 
     # ----------------------------------------------------------- parameters
@@ -178,10 +179,12 @@ class FSDP(nn.Module):
             yield prefix + entry.name, entry.shard
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """This rank's shard parameters (what the optimizer steps)."""
         for _, shard in self.named_parameters():
             yield shard
 
     def shard_numels(self) -> list[int]:
+        """Each shard's element count on this rank, in parameter order."""
         return [e.shard_numel for e in self._entries]
 
     def update_shards(self, flat: torch.Tensor) -> None:
