@@ -12,8 +12,11 @@ a corrupted message is named.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import socket
+import threading
 import time
 import types
 from typing import Any
@@ -163,6 +166,123 @@ def test_a_message_corrupted_on_the_mesh_is_a_protocol_error_naming_the_sender(
         assert isinstance(errors[0], fg.ProtocolError), errors
         assert errors[0].peer == 1 and "checksum" in str(errors[0]), errors
         assert isinstance(errors[1], fg.FerroGrpcError), errors
+    finally:
+        for b in group:
+            b.close()
+
+
+def _fake_listener() -> tuple[int, list[bytes], threading.Thread, socket.socket]:
+    """A listener that answers a connector's hello with a random MAC (it holds
+    no rank's credential), then says it formed the whole mesh. Returns its
+    port, what each connector sent after the wrong MAC, its thread and its
+    socket (closed by the caller)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    server.settimeout(10)
+    after: list[bytes] = []
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = server.accept()
+            with conn:
+                conn.settimeout(5)
+                hello = b""
+                while len(hello) < direct_mesh._HELLO.size:
+                    got = conn.recv(direct_mesh._HELLO.size - len(hello))
+                    if not got:
+                        return
+                    hello += got
+                conn.sendall(os.urandom(16 + 32))  # its nonce and a wrong proof
+                rest = b""
+                with contextlib.suppress(OSError):
+                    while got := conn.recv(64):
+                        rest += got
+                        if len(rest) >= 32:
+                            conn.sendall(b"\x01")  # "I formed it": agree to use it
+                            break
+                after.append(rest)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return int(server.getsockname()[1]), after, thread, server
+
+
+def test_a_listener_that_fails_its_proof_is_refused_and_the_ranks_go_on_over_grpc(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Issue 56 item 13. Rank 1 advertises the port of an impostor that
+    # answers rank 0's hello with a MAC no credential made: rank 0 must hang
+    # up on it (sending no proof of its own), and both ranks go on over gRPC.
+    port, after, thread, server = _fake_listener()
+    listen = TcpMesh.listen
+
+    def impostor(self: TcpMesh, bind_host: str) -> int:
+        real = listen(self, bind_host)
+        if self.me.rank == 1:
+            self._close_listener()
+            return port
+        return real
+
+    monkeypatch.setattr(TcpMesh, "listen", impostor)
+    monkeypatch.setattr(direct_mesh, "FORM_S", 0.5)
+    caplog.set_level(logging.WARNING, logger="ferrogrpc")
+    group = backends(2, shm=False)
+    try:
+        thread.join(10)
+        assert after == [b""], f"rank 0 answered a listener that failed its proof: {after}"
+        assert [b.peer._engine.direct for b in group] == [None, None]
+        assert any("TCP mesh" in r.getMessage() for r in caplog.records)
+
+        def work(rank: int) -> None:
+            t = torch.full((5,), float(rank + 1), dtype=torch.float64)
+            group[rank].all_reduce(t)
+            torch.testing.assert_close(t, torch.full((5,), 3.0, dtype=torch.float64))
+
+        on_ranks(work, 2)
+    finally:
+        server.close()
+        for b in group:
+            b.close()
+
+
+def test_one_rank_short_of_its_mesh_means_no_rank_uses_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Issue 56 item 14. Rank 0 reaches ranks 1 and 2; rank 1 never reaches
+    # rank 2 (a firewall that drops its packets), so ranks 1 and 2 lack a
+    # connection. Rank 0 formed all of its own and must still go without.
+    dial = TcpMesh._dial
+
+    async def firewalled(self: TcpMesh, rank: int, host: str, port: int) -> None:
+        if (self.me.rank, rank) == (1, 2):
+            await asyncio.sleep(3600)
+        await dial(self, rank, host, port)
+
+    formed: dict[int, bool] = {}
+    agree = TcpMesh._agree
+
+    async def spy(self: TcpMesh, mine: bool, deadline_s: float) -> bool:
+        formed[self.me.rank] = mine
+        return await agree(self, mine, deadline_s)
+
+    monkeypatch.setattr(TcpMesh, "_dial", firewalled)
+    monkeypatch.setattr(TcpMesh, "_agree", spy)
+    monkeypatch.setattr(direct_mesh, "FORM_S", 1.0)
+    caplog.set_level(logging.WARNING, logger="ferrogrpc")
+    group = backends(3, shm=False)
+    try:
+        assert formed == {0: True, 1: False, 2: False}, formed
+        assert [b.peer._engine.direct for b in group] == [None, None, None]
+        assert any("TCP mesh" in r.getMessage() for r in caplog.records)
+
+        def work(rank: int) -> None:
+            xs = [torch.full((3,), float(r + 1), dtype=torch.float64) for r in range(3)]
+            t = xs[rank].clone()
+            group[rank].all_reduce(t)
+            torch.testing.assert_close(t, torch.stack(xs).sum(0), rtol=0, atol=0)
+
+        on_ranks(work, 3)
     finally:
         for b in group:
             b.close()

@@ -205,3 +205,106 @@ def test_the_ring_is_bounded_and_a_healthy_run_writes_nothing(tmp_path: Path) ->
     assert all(e.state == flight.DONE and e.op == "all_reduce" for e in entries)
     assert all(e.called <= e.started <= e.ended for e in entries)
     assert not list(tmp_path.iterdir())  # nothing broke: no dump
+
+
+def _blaming(
+    rank: int,
+    world: int,
+    entries: list[dict[str, object]],
+    peer: int | None,
+    evidence: str,
+    dumped_at: float,
+) -> dict[str, object]:
+    record = _record(rank, world, entries, peer, dumped_at)
+    cause = record["cause"]
+    assert isinstance(cause, dict)
+    cause["evidence"] = evidence
+    return record
+
+
+@pytest.mark.timeout(30)
+def test_of_two_late_ranks_the_one_whose_last_progress_is_oldest_is_named() -> None:
+    # Issue 56 item 15. Ranks 2 and 3 both finished seq 4 and never called
+    # seq 5, which ranks 0 and 1 wait in. Rank 3 finished it first and has
+    # stalled longest: it is the culprit, though it is the higher rank and
+    # the errors name rank 2.
+    t = 1000.0
+    in_it = [_entry(4, flight.DONE, t, t + 3), _entry(5, flight.RUNNING, t + 4)]
+    records = [
+        _record(0, 4, in_it, 2, t + 9),
+        _record(1, 4, in_it, 2, t + 9),
+        _record(2, 4, [_entry(4, flight.DONE, t, t + 3)], 3, t + 10),
+        _record(3, 4, [_entry(4, flight.DONE, t, t + 1)], 2, t + 10),
+    ]
+    for order in (records, records[::-1]):
+        d = diagnose.diagnose(order)
+        assert (d.seq, d.culprit) == (5, 3), d
+        assert [v.place for v in d.views[2:]] == ["never reached", "never reached"], d
+        assert "all_reduce#4" in d.reason, d.reason
+
+
+@pytest.mark.timeout(30)
+def test_the_collective_waited_on_is_the_lowest_seq_some_rank_did_not_finish() -> None:
+    # Issue 56 item 16. Rank 0's first unfinished collective is seq 6, rank
+    # 1's is seq 5: the group waits on seq 5 (rank 0 finished it, rank 1 is
+    # still in it), and rank 2, which never called seq 5, is named.
+    t = 1000.0
+    done4 = _entry(4, flight.DONE, t, t + 1)
+    past_it = [done4, _entry(5, flight.DONE, t + 2, t + 3), _entry(6, flight.RUNNING, t + 4)]
+    records = [
+        _record(0, 3, past_it, 2, t + 9),
+        _record(1, 3, [done4, _entry(5, flight.RUNNING, t + 2)], 2, t + 9),
+        _record(2, 3, [done4], 1, t + 10),
+    ]
+    for order in (records, records[::-1]):
+        d = diagnose.diagnose(order)
+        assert (d.op, d.seq, d.culprit) == ("all_reduce", 5, 2), d
+        assert [v.place for v in d.views] == ["in time", "in time", "never reached"], d
+
+
+@pytest.mark.timeout(30)
+def test_a_cause_found_outweighs_several_symptoms_in_the_vote() -> None:
+    # Issue 56 item 17. Every rank reached seq 5 in time (bad data): rank 0
+    # found rank 3 at fault, while ranks 1 and 3 saw only symptoms, which
+    # name rank 2. One finding outweighs the two symptoms.
+    t = 1000.0
+    run = [_entry(4, flight.DONE, t, t + 1), _entry(5, flight.RUNNING, t + 2)]
+    records = [
+        _blaming(0, 4, run, 3, "found", t + 9),
+        _blaming(1, 4, run, 2, "symptom", t + 9),
+        _blaming(2, 4, run, None, "symptom", t + 9),
+        _blaming(3, 4, run, 2, "symptom", t + 9),
+    ]
+    d = diagnose.diagnose(records)
+    assert all(v.place == "in time" for v in d.views), d
+    assert d.culprit == 3, d
+
+
+@pytest.mark.timeout(60)
+def test_a_real_runs_records_name_the_rank_the_error_blames(tmp_path: Path) -> None:
+    # Issue 56 item 20. Rank 1 corrupts its first all-reduce chunk: every
+    # rank breaks, and each rank's record names rank 1 (the rank its error
+    # blames), not the rank that wrote the record.
+    fault = fg.testing.Fault(
+        rank=1, kind=fg.testing.FaultKind.CORRUPT_PAYLOAD, nth=0, collective="all_reduce"
+    )
+
+    async def run() -> list[BaseException | None]:
+        settings = Settings(flight_dir=str(tmp_path))
+        async with fg.testing.local_group(
+            3, settings=settings, direct=False, faults=[fault]
+        ) as peers:
+            results = await asyncio.gather(
+                *(p.all_reduce(torch.ones(3 << 18)) for p in peers), return_exceptions=True
+            )
+            return [r if isinstance(r, BaseException) else None for r in results]
+
+    errors = asyncio.run(run())
+    assert all(isinstance(e, fg.FerroGrpcError) and e.peer == 1 for e in errors), errors
+    (records,) = diagnose.read(tmp_path).values()
+    causes = {r["rank"]: r["cause"] for r in records}
+    assert sorted(causes) == [0, 1, 2], causes
+    for rank, cause in causes.items():
+        assert cause is not None and cause["peer"] == 1, (rank, cause)
+    assert causes[2]["evidence"] == "found", causes[2]
+    assert diagnose.diagnose(records).culprit == 1

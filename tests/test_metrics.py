@@ -32,7 +32,11 @@ import ferrogrpc as fg
 from ferrogrpc.control.coordinator import Coordinator, CoordinatorRendezvous
 from ferrogrpc.control.group_metrics import GroupMetricsServer, describe
 from ferrogrpc.env import Settings
-from ferrogrpc.observe import metrics
+from ferrogrpc.errors import Identity
+from ferrogrpc.observe import flight, metrics
+from ferrogrpc.observe.flight import Entry
+from ferrogrpc.observe.observer import DDP_BUCKET_WAIT, Observer, Span
+from ferrogrpc.observe.stats import TCP_MESH, Stats
 from ferrogrpc.runtime.peer import Peer, observer_of
 from ferrogrpc.testing import Fault, FaultKind, local_group
 from tests.helpers import (
@@ -461,3 +465,59 @@ def test_metrics_listen_on_the_peers_bind_host_seen_from_another_host() -> None:
     assert seen_from["network job"] == ("metrics",) * 4, seen_from
     # Only on the address named.
     assert seen_from["FERROGRPC_BIND_HOST"] == (refused, "metrics", "metrics", refused), seen_from
+
+
+def test_an_observation_on_a_buckets_bound_lands_in_that_bucket() -> None:
+    # Issue 56 item 18: ``le`` is inclusive, for every bound, for the
+    # latency histogram fed by a collective and for a wait's.
+    hist = metrics.Histogram()
+    for bound in metrics.SECONDS_BUCKETS:
+        hist.observe(bound)
+    cumulative = dict(hist.buckets())
+    for i, bound in enumerate(metrics.SECONDS_BUCKETS):
+        assert cumulative[repr(bound)] == i + 1, (bound, cumulative)
+    assert cumulative["+Inf"] == len(metrics.SECONDS_BUCKETS)
+
+    slot = metrics.RankMetrics(Identity(0, 2, ["h:0", "h:1"]), Stats())
+    entry = Entry(3, "all_reduce", 64, "float32")
+    entry.called, entry.ended, entry.state = 1000.0, 1000.5, flight.DONE
+    slot.on_collective(entry)
+    slot.on_span(Span(DDP_BUCKET_WAIT, "bucket", 2000.0, 2000.25, {}, 0))
+    for hist, bound, below in (
+        (slot.latency[("all_reduce", "<64KiB")], "0.5", "0.25"),
+        (slot.waits[DDP_BUCKET_WAIT], "0.25", "0.1"),
+    ):
+        cumulative = dict(hist.buckets())
+        assert (cumulative[below], cumulative[bound]) == (0, 1), cumulative
+
+
+def test_byte_counters_keep_every_retired_epochs_bytes() -> None:
+    # Issue 56 item 19: an elastic member's rank in one process over three
+    # epochs (an observer each, closed in turn): its place on the metrics
+    # server keeps the bytes of both retired epochs, and adds the live one's.
+    settings = Settings(metrics_port=0)
+    release = metrics.hold(settings)
+    observers: list[Observer] = []
+    try:
+        for epoch, (sent, received) in enumerate(((100, 7), (20, 3000), (3, 40000))):
+            if observers:
+                observers[-1].close()
+            observer = Observer(Identity(epoch % 2, 2, ["h:0", "h:1"]))
+            observers.append(observer)
+            assert metrics.attach(observer, settings) is not None
+            observer.stats.sent(1 - epoch % 2, sent)
+            observer.stats.received(1 - epoch % 2, received, path=TCP_MESH)
+            if epoch == 1:
+                observer.stats.sent(1 - epoch % 2, 5, path=TCP_MESH)
+        server = metrics.server_of(observers[-1])
+        assert server is not None
+        (slot,) = [s for s in server.ranks if s.stats is observers[-1].stats]
+        sent_by, received_by = slot.bytes_by()
+        assert sent_by == {("grpc", 1): 100 + 3, ("grpc", 0): 20, (TCP_MESH, 0): 5}, sent_by
+        assert received_by == {(TCP_MESH, 1): 7 + 40000, (TCP_MESH, 0): 3000}, received_by
+        observers[-1].close()  # the third retires too: nothing lost
+        assert slot.bytes_by() == (sent_by, received_by)
+    finally:
+        for observer in observers:
+            observer.close()
+        release()
