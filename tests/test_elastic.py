@@ -30,7 +30,7 @@ from ferrogrpc.elastic.state import _messages, _stripes
 from ferrogrpc.v1 import rendezvous_pb2 as rpb
 from tests.helpers import async_wait_until
 
-from .helpers import RANKS, ROOT, Forked, free_port, spawn_rank
+from .helpers import RANKS, ROOT, Forked, free_port, on_ranks, spawn_rank
 
 sys.path.insert(0, str(RANKS))
 import elastic_train
@@ -835,3 +835,105 @@ def test_a_joiner_with_another_min_world_size_gets_a_config_error_and_the_group_
     assert "runs with 2" in joiner.stdout, joiner.stdout
     by_step = check_training(run, steps)
     assert all(len(lines) == 2 for lines in by_step.values())
+
+
+# ------------------------------------------- issue 56: settling, stripes
+
+
+class _Epoch:
+    """The epoch's Backend as ElasticBackend._settle uses it: one all-reduce,
+    here among threads (one per member), reduced in rank order."""
+
+    def __init__(self, rank: int, inputs: list[torch.Tensor | None], met: Any) -> None:
+        self.rank, self.inputs, self.met = rank, inputs, met
+        self.ops: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+            "max": torch.maximum,
+            "min": torch.minimum,
+            "sum": torch.add,
+        }
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self.inputs[self.rank] = tensor.clone()
+        self.met.wait(5)
+        total = self.inputs[0]
+        for other in self.inputs[1:]:
+            assert total is not None and other is not None
+            total = self.ops[op](total, other)
+        self.met.wait(5)
+        assert total is not None
+        return tensor.copy_(total)
+
+
+def _settled(positions: list[tuple[int, int]]) -> list[tuple[int, bool]]:
+    """Members of a new epoch standing at ``positions`` (step, phase) settle:
+    each one's agreed position, and whether it is behind the group."""
+    import threading
+
+    from ferrogrpc.elastic.backend import ElasticBackend
+    from ferrogrpc.elastic.epoch import Membership
+
+    world = len(positions)
+    inputs: list[torch.Tensor | None] = [None] * world
+    met = threading.Barrier(world)
+    members = []
+    for rank, (step, phase) in enumerate(positions):
+        backend = ElasticBackend.__new__(ElasticBackend)
+        backend._current = _Epoch(rank, inputs, met)  # type: ignore[assignment]
+        backend._membership = Membership(2, world, ())
+        backend._joined_from = world  # nobody new: no state to hand out
+        backend._step, backend._phase, backend._stamped = step, phase, False
+        backend.resharders = []  # no sharded model
+        members.append(backend)
+
+    def settle(rank: int) -> tuple[int, bool]:
+        target = members[rank]._settle()
+        return target, members[rank]._behind()
+
+    return on_ranks(settle, world)
+
+
+def test_members_at_different_positions_settle_on_the_furthest() -> None:
+    # Issue 56 item 4: a position is 2 x step, + 1 inside the step's
+    # gradient sync. One member at step 6's sync (phase 1: its sync was
+    # committed elsewhere, and it never wrote it) and one at step 7's
+    # boundary (phase 0) agree on step 7's boundary; the first is behind
+    # (it must receive the state), the second goes on with its boundary.
+    s = 6
+    assert _settled([(s, 1), (s + 1, 0)]) == [(2 * s + 2, True), (2 * s + 2, False)]
+    assert _settled([(s + 1, 0), (s, 1)]) == [(2 * s + 2, False), (2 * s + 2, True)]
+    # One at step 7's boundary, one in step 7's sync (it passed the
+    # boundary the other failed in): the group is inside step 7's sync;
+    # nobody is behind (the sync is redone in the new epoch), and the one
+    # at the boundary skips ahead into the step.
+    assert _settled([(s + 1, 0), (s + 1, 1), (s + 1, 0)]) == [(2 * s + 3, False)] * 3
+    # The same place everywhere: nobody behind, nothing to skip.
+    assert _settled([(s, 0), (s, 0)]) == [(2 * s, False)] * 2
+    assert _settled([(0, 1), (0, 1)]) == [(1, False)] * 2
+
+
+@pytest.mark.parametrize("members", [1, 2, 3, 4, 5, 7, 64])
+def test_the_stripes_cover_every_byte_for_every_size(members: int) -> None:
+    # Issue 56 item 5: sizes that are not multiples of 64 (or of the member
+    # count): 129 bytes over 2 members, 1 byte over 3, and every size up to
+    # a few blocks. The stripes are contiguous, 64-byte aligned but at the
+    # end, and cover [0, total) once; their messages cover every byte of
+    # every tensor once.
+    totals = [*range(0, 300), 64 * members - 1, 64 * members + 1, 1000003]
+    for total in totals:
+        stripes = _stripes(total, members)
+        assert len(stripes) == members, total
+        last = 0
+        for lo, hi in stripes:
+            assert lo == last and lo <= hi <= total, (total, stripes)
+            assert lo % 64 == 0 or lo == total, (total, stripes)
+            last = hi
+        assert last == total, (total, members, stripes)
+    for sizes in ([129], [1], [65, 0, 63, 1], [3, 200, 17, 64, 5]):
+        total = sum(sizes)
+        seen = [bytearray(s) for s in sizes]
+        for lo, hi in _stripes(total, members):
+            for message in _messages(sizes, lo, hi):
+                for seg in message:
+                    for i in range(seg.lo, seg.hi):
+                        seen[seg.tensor][i] += 1
+        assert all(all(c == 1 for c in s) for s in seen), (sizes, members)

@@ -6,6 +6,7 @@ processes' side is in test_restart.py."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -253,3 +254,129 @@ async def test_a_joiner_with_another_min_world_size_is_refused_and_the_group_goe
     _beat(r, "a", 3, 0, 2, min_world_size=1)
     with pytest.raises(SettingMismatch):
         await _enter(r, "x", rpb.ENTER_JOIN, 0, min_world_size=2)
+
+
+# ------------------------------------------- issue 56: rounds and leaving
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("how", ["reported lost", "silent", "enters as a joiner"])
+async def test_a_kept_member_dropped_from_a_grow_lowers_joined_from_below_the_joiner(
+    how: str,
+) -> None:
+    # Issue 56 item 1: epoch 1 is a, b, c; j waits. A GROW opens with a, b, c
+    # kept and j joining (joined_from 3); then c leaves that round's kept
+    # part before it entered. joined_from must come down with it: j's rank
+    # (2) below joined_from would make j a member that never receives the
+    # state, and the others would send it nothing.
+    clock = Clock()
+    m = ElasticMembership(
+        heartbeat_timeout=2.0, join_window=0.05, initial_world_size=3, clock=clock, quiet=0
+    )
+    await asyncio.gather(*(_enter(m, p, rpb.ENTER_JOIN, 0) for p in "abc"))
+    joiner = _enter(m, "j", rpb.ENTER_JOIN, 0)
+    await asyncio.sleep(0.01)
+    a = _enter(m, "a", rpb.ENTER_GROW, 1)
+    await asyncio.sleep(0.01)
+    assert m.round is not None and m.round.order == ["a", "b", "c", "j"]
+    assert m.round.joined_from == 3 and "j" in m.round.entered
+    others: dict[str, asyncio.Task[Any]] = {}
+    if how == "reported lost":
+        others["b"] = _enter(m, "b", rpb.ENTER_GROW, 1, lost=[2])
+    elif how == "silent":
+        clock.now += 2.5
+        for peer, rank in (("a", 0), ("b", 1)):
+            _beat(m, peer, 1, rank, 3)
+        m.heartbeat(rpb.HeartbeatRequest(peer_id="j"))
+        m.check_silence()
+        others["b"] = _enter(m, "b", rpb.ENTER_GROW, 1)
+    else:
+        # c lacks the state (its receipt failed): it moves to the joiners'
+        # part, after j.
+        others["c"] = _enter(m, "c", rpb.ENTER_JOIN, 1)
+        await asyncio.sleep(0.01)
+        others["b"] = _enter(m, "b", rpb.ENTER_GROW, 1)
+    tasks = {"j": joiner, "a": a, **others}
+    answers = await asyncio.wait_for(asyncio.gather(*tasks.values()), 5)
+    placed = {p: (r.rank, r.world_size, r.joined_from) for p, r in zip(tasks, answers, strict=True)}
+    if how == "enters as a joiner":
+        assert placed == {"a": (0, 4, 2), "b": (1, 4, 2), "j": (2, 4, 2), "c": (3, 4, 2)}
+    else:
+        assert placed == {"a": (0, 3, 2), "b": (1, 3, 2), "j": (2, 3, 2)}
+    assert m.members[2] == "j"
+
+
+@pytest.mark.timeout(10)
+async def test_one_member_that_leaves_does_not_end_the_group() -> None:
+    # Issue 56 item 2: c closes its backend (done) while a and b train on.
+    # The epoch stays as it is for them (the group is over only once every
+    # member left); c is then lost like any other, found silent.
+    clock = Clock()
+    m = ElasticMembership(
+        heartbeat_timeout=2.0, join_window=0.05, initial_world_size=3, clock=clock, quiet=0
+    )
+    await asyncio.gather(*(_enter(m, p, rpb.ENTER_JOIN, 0) for p in "abc"))
+    left = m.heartbeat(rpb.HeartbeatRequest(peer_id="c", epoch=1, leaving=True))
+    assert not left.member
+    assert not m.over and m.epoch == 1 and m.members == ["a", "b", "c"]
+    for peer, rank in (("a", 0), ("b", 1)):
+        beat = _beat(m, peer, 1, rank, 3)
+        assert beat.member and beat.epoch == 1
+    # The silence check still runs for the two left: c goes past the
+    # heartbeat timeout and a RECOVER drops it.
+    clock.now += 2.5
+    for peer, rank in (("a", 0), ("b", 1)):
+        _beat(m, peer, 1, rank, 3)
+    m.check_silence()
+    assert m.round is not None and m.round.dropped == [2] and not m.over
+    recover = [_enter(m, p, rpb.ENTER_RECOVER, 1) for p in ("a", "b")]
+    assert _placed(await asyncio.wait_for(asyncio.gather(*recover), 5)) == [
+        (2, 0, 2, 2),
+        (2, 1, 2, 2),
+    ]
+    # Once both of epoch 2 leave, the group is over.
+    m.heartbeat(rpb.HeartbeatRequest(peer_id="a", epoch=2, leaving=True))
+    assert not m.over and m.epoch == 2
+    m.heartbeat(rpb.HeartbeatRequest(peer_id="b", epoch=2, leaving=True))
+    assert m.over and m.epoch == 0
+
+
+@pytest.mark.timeout(15)
+async def test_a_joiner_silent_after_a_grow_opens_does_not_hold_the_round() -> None:
+    # Issue 56 item 3: j waits, and dies (its Enter's call is cancelled with
+    # it) as the members open a GROW for it: the round lists j, who never
+    # enters. The coordinator's silence check (every heartbeat timeout / 8)
+    # must form the round without j within the heartbeat timeout + 1 s of
+    # j's last word, on the real clock.
+    from ferrogrpc.control.coordinator import Coordinator
+
+    timeout = 0.6
+    coordinator = Coordinator(2, heartbeat_timeout=timeout, join_window=0.05)
+    m = coordinator.membership
+    m.quiet = 0
+    await coordinator.start("127.0.0.1:0")
+
+    async def beat_members() -> None:
+        while True:
+            for rank, peer in enumerate("ab"):
+                _beat(m, peer, m.epoch, rank, 2)
+            await asyncio.sleep(timeout / 6)
+
+    beater = asyncio.ensure_future(beat_members())
+    try:
+        await asyncio.gather(*(_enter(m, p, rpb.ENTER_JOIN, 0) for p in "ab"))
+        joiner = _enter(m, "j", rpb.ENTER_JOIN, 0)
+        await asyncio.sleep(0.01)
+        joiner.cancel()  # j died: its call is gone, and it beats no more
+        last_word = time.monotonic()
+        grow = [_enter(m, p, rpb.ENTER_GROW, 1) for p in "ab"]
+        await asyncio.sleep(0.01)
+        assert m.round is not None and m.round.order == ["a", "b", "j"]
+        answers = await asyncio.wait_for(asyncio.gather(*grow), timeout + 3)
+        formed_after = time.monotonic() - last_word
+        assert _placed(answers) == [(2, 0, 2, 2), (2, 1, 2, 2)]
+        assert formed_after <= timeout + 1.0, formed_after
+        assert "j" not in m.joiners
+    finally:
+        beater.cancel()
+        await coordinator.stop(0)
