@@ -506,3 +506,54 @@ def test_grpc_runtime_outlives_every_closed_backend_so_no_collection_shuts_it_do
         check=True,
     ).stdout
     assert "POLLERS 1" in out, out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("world", "sender"), [(2, 1), (3, 1)])
+async def test_a_ring_stream_ended_cleanly_without_its_end_markers_is_refused(
+    world: int, sender: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 56 item 21. ``sender`` writes every chunk of a ring all-reduce
+    # and then ends its stream cleanly, dropping its end markers (a hook on
+    # its writes, not a race): its right neighbour must fail, naming it, and
+    # so must every other rank but the sender. (The sender itself may
+    # finish: its left's markers say every other rank has all the data,
+    # which is true. A sender whose stream really ends early has failed.)
+    # In a world of 2, if the receiver took a bare end for success, both
+    # ranks would finish.
+    from ferrogrpc.algorithms import ring
+    from ferrogrpc.transport import wire
+
+    write = ring.LaneRunner._write
+    dropped: list[int] = []
+
+    async def drop_markers(
+        self: ring.LaneRunner, stream: ring.OutStream, message: bytes, step: int
+    ) -> None:
+        if self.ctx.identity.rank == sender and wire.decode(message)[0].end:
+            dropped.append(self.job.seq)
+            return
+        await write(self, stream, message, step)
+
+    monkeypatch.setattr(ring.LaneRunner, "_write", drop_markers)
+    timeouts = fg.Timeouts(collective=30, idle=10, connect=20)
+    chunks = fg.ChunkPolicy(chunk_bytes=128 << 10, max_lanes=1)
+    async with fg.testing.local_group(
+        world, timeouts=timeouts, chunk_policy=chunks, direct=False
+    ) as peers:
+        tensors = [torch.full((world * 65536,), float(r + 1)) for r in range(world)]
+        async with asyncio.timeout(20):
+            results = await asyncio.gather(
+                *(p.all_reduce(t) for p, t in zip(peers, tensors, strict=True)),
+                return_exceptions=True,
+            )
+    assert dropped, "the ring never wrote an end marker: not a ring collective?"
+    receiver = (sender + 1) % world
+    error = results[receiver]
+    assert isinstance(error, fg.PeerError), results
+    assert error.peer == sender, error
+    assert f"rank {sender} (" in str(error) and "without its end markers" in str(error), error
+    for r, res in enumerate(results):
+        if r != sender:
+            assert isinstance(res, fg.FerroGrpcError), (r, res)
+            assert res.peer == sender, (r, res)

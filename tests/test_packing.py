@@ -273,3 +273,100 @@ async def test_a_packed_chunk_that_does_not_inflate_is_refused_naming_its_sender
     assert error.peer == 1, error
     assert "rank 1 sent a packed chunk that does not unpack" in str(error), error
     assert "does not inflate" in str(error), error
+
+
+def test_a_top_plane_that_inflates_short_is_refused() -> None:
+    # Issue 56 item 22: a plane that inflates cleanly (a whole deflate
+    # stream, nothing left over) to fewer bytes than the chunk's elements is
+    # a ValueError, never a short or partly stale tensor.
+    data = _special(1 << 12)
+    n = data.numel()
+    low = torch.empty(3 * n, dtype=torch.uint8)
+    planes.write_low(data, low)
+    for short in (n - 1, n // 2, 0):
+        top = zlib.compress(data.view(torch.uint8).view(-1, 4)[:short, 3].numpy().tobytes(), 1, -15)
+        payload = memoryview(top + low.numpy().tobytes())
+        out = torch.full((n,), 7.0)
+        with pytest.raises(ValueError, match=f"exactly {n} bytes"):
+            planes.unpack(payload, len(top), out)
+
+
+def _plane_of(n: int) -> bytes:
+    return zlib.compress(bytes(range(256)) * (n // 256) + bytes(n % 256), 1, -15)
+
+
+async def test_a_packed_chunk_that_inflates_short_is_refused_naming_its_sender(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Issue 56 item 22, in a collective: rank 1's packed chunks carry a top
+    # plane one byte short (its declared length and checksum made to
+    # match): rank 0 fails naming it, and no rank returns a result.
+    monkeypatch.setenv("FERROGRPC_PACK", "on")
+
+    def shorten(dst: int, message: bytes) -> bytes:
+        header, payload = wire.decode(message)
+        if not header.packed_top:
+            return message
+        n = (payload.nbytes - header.packed_top) // 3
+        inflated = zlib.decompress(bytes(payload[: header.packed_top]), -15)
+        assert len(inflated) == n
+        top = zlib.compress(inflated[:-1], 1, -15)
+        spoiled = top + bytes(payload[header.packed_top :])
+        header.packed_top = len(top)
+        header.checksum = integrity.default_checksum()(memoryview(spoiled))
+        return wire.encode(header, spoiled)
+
+    async with fg.testing.local_group(2, transport="grpc") as peers:
+        peers[1]._ctx.transport.send_hook = shorten  # type: ignore[attr-defined]
+        tensors = [torch.randn(1 << 20) for _ in peers]
+        async with asyncio.timeout(30):
+            results = await asyncio.gather(
+                *(p.all_reduce(t) for p, t in zip(peers, tensors, strict=True)),
+                return_exceptions=True,
+            )
+    error = results[0]
+    assert isinstance(error, fg.ProtocolError), results
+    assert error.peer == 1, error
+    assert "rank 1 sent a packed chunk that does not unpack" in str(error), error
+    assert "exactly" in str(error), error
+    assert all(isinstance(r, fg.FerroGrpcError) for r in results), results
+
+
+@pytest.mark.parametrize(
+    ("dtype", "wire_dtype"), [(torch.float64, None), (torch.float32, torch.bfloat16)]
+)
+async def test_a_packed_chunk_where_chunks_may_not_pack_names_its_sender(
+    dtype: torch.dtype, wire_dtype: torch.dtype | None
+) -> None:
+    # Issue 56 item 23. Only float32 chunks without a wire dtype pack. Rank
+    # 1 turns each data chunk it sends into a packed one (a valid packing
+    # of one byte-plane byte and three low bytes an element, its checksum
+    # made anew): rank 0 must refuse it as a ProtocolError naming rank 1,
+    # not unpack it as float32.
+    def pack(dst: int, message: bytes) -> bytes:
+        header, payload = wire.decode(message)
+        if header.packed_top or payload.nbytes == 0 or header.end:
+            return message
+        n = payload.nbytes // (2 if wire_dtype is not None else 8)
+        top = _plane_of(n)
+        packed = top + bytes(payload)[: 3 * n].ljust(3 * n, b"\0")
+        header.packed_top = len(top)
+        header.checksum = integrity.default_checksum()(memoryview(packed))
+        return wire.encode(header, packed)
+
+    async with fg.testing.local_group(2, transport="grpc", direct=False) as peers:
+        peers[1]._ctx.transport.send_hook = pack  # type: ignore[attr-defined]
+        tensors = [torch.ones(1 << 20, dtype=dtype) for _ in peers]
+        async with asyncio.timeout(30):
+            results = await asyncio.gather(
+                *(
+                    p.all_reduce(t, wire_dtype=wire_dtype)
+                    for p, t in zip(peers, tensors, strict=True)
+                ),
+                return_exceptions=True,
+            )
+    error = results[0]
+    assert isinstance(error, fg.ProtocolError), results
+    assert error.peer == 1, error
+    assert "rank 1 sent a packed chunk" in str(error) and "travels unpacked" in str(error), error
+    assert all(isinstance(r, fg.FerroGrpcError) for r in results), results
