@@ -652,3 +652,115 @@ raise SystemExit(os.waitstatus_to_exitcode(status))
         [sys.executable, "-c", child], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------- issue 56: pieces and flags
+
+
+class _Alone:
+    """A rank alone (world 1), as the int8 all-reduce sees its Peer: the
+    exchanges copy in place; the ``fail``-th call of ``fail_in`` raises a
+    PeerError, as a lost peer would."""
+
+    rank = 0
+    world_size = 1
+
+    def __init__(self, fail_in: str = "", fail: int = 0) -> None:
+        self.fail_in, self.fail = fail_in, fail
+        self.calls = {"all_to_all": 0, "all_gather": 0}
+
+    def _call(self, op: str) -> None:
+        self.calls[op] += 1
+        if op == self.fail_in and self.calls[op] == self.fail:
+            raise fg.PeerError("the peer is gone", rank=0, peer=1, op=op)
+
+    async def all_to_all_single(
+        self, out: torch.Tensor, tensor: torch.Tensor, *, uniform: bool
+    ) -> torch.Tensor:
+        self._call("all_to_all")
+        return out.copy_(tensor)
+
+    async def all_gather_into_tensor(self, out: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        self._call("all_gather")  # (alone: ``tensor`` is ``out`` already)
+        return out
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("fail_in", ["all_to_all", "all_gather"])
+@pytest.mark.parametrize("pieces", [1, 4])
+async def test_a_failed_int8_all_reduce_drops_its_carried_error_in_every_piece(
+    pieces: int, fail_in: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 56 item 6: a tensor of four pieces (three in flight at once),
+    # the second piece's exchange failing: every piece's carried error
+    # goes, as a single piece's does. The next call then gives exactly
+    # what a fresh feedback gives.
+    monkeypatch.setattr(quantized, "PIECE", 2 * BLOCK)
+    numel = 2 * BLOCK * (pieces - 1) + 300
+    gen = torch.Generator().manual_seed(56)
+    first, second = (torch.randn(numel, generator=gen) * 10 for _ in range(2))
+    for fmt in (blocks.INT8, blocks.INT4):
+        feedback = ErrorFeedback()
+        await quantized.all_reduce_quantized(
+            _Alone(), first.clone(), fg.ReduceOp.SUM, feedback, fmt
+        )
+        assert feedback.sent is not None or len(feedback.parts) == pieces  # it carries
+        failing = _Alone(fail_in, fail=min(2, pieces))
+        with pytest.raises(fg.PeerError) as caught:
+            await quantized.all_reduce_quantized(
+                failing, second.clone(), fg.ReduceOp.SUM, feedback, fmt
+            )
+        assert caught.value.op == "all_reduce"
+        assert failing.calls["all_to_all"] == pieces  # every piece ran its exchanges
+        assert feedback.sent is None and feedback.parts == []
+        after = await quantized.all_reduce_quantized(
+            _Alone(), second.clone(), fg.ReduceOp.SUM, feedback, fmt
+        )
+        fresh = await quantized.all_reduce_quantized(
+            _Alone(), second.clone(), fg.ReduceOp.SUM, ErrorFeedback(), fmt
+        )
+        assert torch.equal(after, fresh), fmt.name
+
+
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_ddp_int8_flags_survive_large_gradients_in_their_block(
+    pieces: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 56 item 7: the "had a gradient" flags share the bucket's last
+    # block with gradients of 1e6 (an int8 step of about 8000): rounded
+    # with them, a flag of 0.5 would be 0. A parameter rank 0 alone used
+    # must still get a .grad on both ranks; one nobody used keeps None.
+    # pieces=2: the bucket is sent in two pieces; the flags are the last's.
+    if pieces > 1:
+        monkeypatch.setattr(quantized, "PIECE", BLOCK)
+    group = backends(2)
+
+    def rank(r: int) -> list[torch.Tensor | None]:
+        torch.manual_seed(0)
+        big, alone, unused = nn.Linear(300, 1), nn.Linear(4, 1), nn.Linear(4, 1)
+        model = nn.ModuleDict({"big": big, "alone": alone, "unused": unused})
+        ddp = fg.DDP(model, group[r], compression="int8")
+        assert ddp.bucket_layout() == [
+            ["unused.bias", "unused.weight", "alone.bias", "alone.weight", "big.bias", "big.weight"]
+        ]
+        ddp.broadcast_parameters(0)
+        (big(torch.full((1, 300), 1e6)).sum() * (r + 1)).backward()
+        if r == 0:
+            alone(torch.ones(2, 4)).sum().backward()
+        ddp.sync_gradients()
+        return [big.weight.grad, alone.weight.grad, alone.bias.grad, unused.weight.grad]
+
+    try:
+        results = on_ranks(rank, 2)
+    finally:
+        for b in group:
+            b.close()
+    for big_grad, alone_weight, alone_bias, unused_grad in results:
+        assert unused_grad is None
+        assert alone_weight is not None and alone_bias is not None
+        assert big_grad is not None
+        torch.testing.assert_close(big_grad, torch.full((1, 300), 1.5e6), rtol=1e-2, atol=0)
+        # The mean of 2 and 0 is 1, within half a step of the block's scale.
+        assert float((alone_weight - 1).abs().max()) <= 1.5e6 / 127
+    for a, b in zip(results[0], results[1], strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)  # type: ignore[arg-type]

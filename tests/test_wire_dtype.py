@@ -250,3 +250,90 @@ def test_a_chunk_is_as_many_bytes_on_the_wire_in_a_narrower_dtype() -> None:
     narrow = make_descriptor(*args, torch.bfloat16)
     assert plain.chunk_elems == (1 << 20) // 4
     assert narrow.chunk_elems == 2 * plain.chunk_elems
+
+
+# ------------------------------------------- issue 56: small, and two-level
+
+
+@pytest.mark.parametrize("into", [False, True])
+@pytest.mark.parametrize("transport", ["grpc", "memory"])
+async def test_a_small_all_gather_in_a_wire_dtype_is_the_same_on_every_rank(
+    transport: str, into: bool
+) -> None:
+    # Issue 56 item 8: one exchange (a few hundred bytes a rank). Every
+    # rank's block arrives rounded to bf16, so a rank's own block must be
+    # rounded too: the same bits on every rank, its own block included.
+    world, n = 3, 50
+    gen = torch.Generator().manual_seed(56)
+    inputs = [torch.randn(n, generator=gen) for _ in range(world)]
+    expected = torch.cat([t.to(torch.bfloat16).float() for t in inputs])
+    assert not torch.equal(expected, torch.cat(inputs))  # bf16 really rounds them
+    async with fg.testing.local_group(world, transport=transport) as peers:  # type: ignore[arg-type]
+        if into:
+            outs = [torch.empty(world * n) for _ in range(world)]
+            await asyncio.gather(
+                *(
+                    p.all_gather_into_tensor(o, t, wire_dtype=torch.bfloat16)
+                    for p, o, t in zip(peers, outs, inputs, strict=True)
+                )
+            )
+        else:
+            lists = await asyncio.gather(
+                *(
+                    p.all_gather(t, wire_dtype=torch.bfloat16)
+                    for p, t in zip(peers, inputs, strict=True)
+                )
+            )
+            outs = [torch.cat(got) for got in lists]
+    for rank, out in enumerate(outs):
+        assert torch.equal(out, expected), rank
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+async def test_the_two_level_path_sends_a_wire_dtype_across_hosts(collective: str) -> None:
+    # Issue 56 item 9: two hosts of two ranks: shared memory inside a host,
+    # gRPC rings across. With wire_dtype the bytes that cross hosts halve,
+    # and the result differs from full precision within the README's bound
+    # (the same on every rank).
+    hosts, n = ["a", "a", "b", "b"], 1 << 17
+    world = len(hosts)
+    gen = torch.Generator().manual_seed(9)
+    inputs = [torch.randn(n, generator=gen) * 3 for _ in range(world)]
+    results: dict[str, list[torch.Tensor]] = {}
+    sent: dict[str, int] = {}
+    async with fg.testing.local_group(world, transport="shm", hosts=hosts) as peers:
+        assert {p.data_path for p in peers} == {"two-level"}
+        for name, wire in (("full", None), ("bf16", torch.bfloat16)):
+            before = sum(fg.testing.stats(p).bytes_sent for p in peers)
+            tensors = [t.clone() for t in inputs]
+            if collective == "all_reduce":
+                await asyncio.gather(
+                    *(p.all_reduce(t, wire_dtype=wire) for p, t in zip(peers, tensors, strict=True))
+                )
+                results[name] = tensors
+            else:
+                results[name] = list(
+                    await asyncio.gather(
+                        *(
+                            p.reduce_scatter(t, wire_dtype=wire)
+                            for p, t in zip(peers, tensors, strict=True)
+                        )
+                    )
+                )
+            sent[name] = sum(fg.testing.stats(p).bytes_sent for p in peers) - before
+    assert sent["bf16"] <= 0.55 * sent["full"], sent
+    reference = torch.stack([t.double() for t in inputs]).sum(0)
+    limit = bound(inputs, torch.bfloat16)
+    got = results["bf16"]
+    if collective == "reduce_scatter":
+        whole, part = torch.cat(got), n // world
+        for r in range(world):
+            assert torch.equal(got[r], whole[r * part : (r + 1) * part])
+    else:
+        whole = got[0]
+        for t in got[1:]:
+            assert torch.equal(t, whole)  # the same bits on every rank
+    err = (whole.double() - reference).abs()
+    assert bool((err <= limit).all()), float((err - limit).max())
+    full = torch.cat(results["full"]) if collective == "reduce_scatter" else results["full"][0]
+    assert not torch.equal(whole, full)  # really rounded on the way
