@@ -55,6 +55,8 @@ def _status(target: str) -> int:
         print(
             f"coordinator {target}: run {status.run_id}, {status.joined}/{status.world_size} joined"
         )
+        if status.ended:
+            print(f"the last elastic group ended: {status.ended}")
         print(f"{'rank':>4}  {'address':<24} {'last heartbeat':>15}  collective")
         for m in status.members:
             current = f"{m.collective}#{m.seq}" if m.collective else f"idle (last #{m.seq})"

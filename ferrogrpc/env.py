@@ -31,9 +31,13 @@ MASTER_PORT_ENV: Final = "MASTER_PORT"
 # The rank's place on its node, as torchrun and `ferrogrpc launch` set it
 # (the metrics port's offset).
 LOCAL_RANK_ENV: Final = "LOCAL_RANK"
+# How many processes torchrun's agent starts on this node.
+LOCAL_WORLD_SIZE_ENV: Final = "LOCAL_WORLD_SIZE"
 # Set by torchrun's agent, which then already serves the TCPStore.
 AGENT_STORE_ENV: Final = "TORCHELASTIC_USE_AGENT_STORE"
 RESTART_COUNT_ENV: Final = "TORCHELASTIC_RESTART_COUNT"
+# Set by torchrun's agent in every worker: the job's --rdzv-id.
+TORCHELASTIC_RUN_ID_ENV: Final = "TORCHELASTIC_RUN_ID"
 
 # ferrogrpc's own variables.
 COORDINATOR_ENV: Final = "FERROGRPC_COORDINATOR"
@@ -68,6 +72,10 @@ MAX_RANKS_ENV: Final = "FERROGRPC_MAX_RANKS"
 ELASTIC_ENV: Final = "FERROGRPC_ELASTIC"
 MIN_WORLD_SIZE_ENV: Final = "FERROGRPC_MIN_WORLD_SIZE"
 HEARTBEAT_TIMEOUT_ENV: Final = "FERROGRPC_HEARTBEAT_TIMEOUT"
+# torchrun's --nnodes, "MIN:MAX" (or "N"), which its ferrogrpc rendezvous
+# (control/torchrun.py) exports to the workers: with LOCAL_WORLD_SIZE it
+# gives the defaults of min_world_size (MIN nodes' processes).
+TORCHRUN_NNODES_ENV: Final = "FERROGRPC_TORCHRUN_NNODES"
 # Observability (observe/): Prometheus metrics per rank, the trace's
 # directory, and where the flight recorder dumps when a rank breaks.
 METRICS_PORT_ENV: Final = "FERROGRPC_METRICS_PORT"
@@ -110,6 +118,22 @@ def _int(env: Mapping[str, str], name: str) -> int | None:
         return int(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def _nnodes(env: Mapping[str, str]) -> tuple[int, int] | None:
+    """torchrun's --nnodes as the ferrogrpc rendezvous exported it (MIN:MAX,
+    or N), or None."""
+    raw = (env.get(TORCHRUN_NNODES_ENV) or "").strip()
+    if not raw:
+        return None
+    low, _, high = raw.partition(":")
+    try:
+        nodes = (int(low), int(high or low))
+    except ValueError:
+        raise ConfigError(f"{TORCHRUN_NNODES_ENV}={raw!r}: use MIN:MAX or N (nodes)") from None
+    if not 1 <= nodes[0] <= nodes[1]:
+        raise ConfigError(f"{TORCHRUN_NNODES_ENV}={raw!r}: need 1 <= MIN <= MAX")
+    return nodes
 
 
 def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -162,6 +186,8 @@ class Settings:
     master_port: int | None = None
     agent_store: bool = False
     restart_count: str = "0"
+    # torchrun's job id, when torchrun's agent started this process.
+    torchrun_run_id: str | None = None
     coordinator: str | None = None
     bind_host: str | None = None
     advertise_host: str | None = None
@@ -227,6 +253,11 @@ class Settings:
         min_world = _int(env, MIN_WORLD_SIZE_ENV)
         if min_world is not None and min_world < 1:
             raise ConfigError(f"{MIN_WORLD_SIZE_ENV}={min_world} must be 1 or more")
+        # Under torchrun's ferrogrpc rendezvous: --nnodes' MIN nodes of
+        # LOCAL_WORLD_SIZE processes each, unless set apart.
+        nodes, per_node = _nnodes(env), _int(env, LOCAL_WORLD_SIZE_ENV)
+        if nodes is not None and per_node and min_world is None:
+            min_world = nodes[0] * per_node
         metrics_port = _int(env, METRICS_PORT_ENV)
         if metrics_port is not None and not 0 <= metrics_port < 65536:
             raise ConfigError(f"{METRICS_PORT_ENV}={metrics_port} is not a port (0 to 65535)")
@@ -269,6 +300,7 @@ class Settings:
             master_port=_int(env, MASTER_PORT_ENV),
             agent_store=env.get(AGENT_STORE_ENV, "").lower() in ("1", "true", "yes"),
             restart_count=env.get(RESTART_COUNT_ENV, "0") or "0",
+            torchrun_run_id=env.get(TORCHELASTIC_RUN_ID_ENV) or None,
             coordinator=env.get(COORDINATOR_ENV) or None,
             bind_host=env.get(BIND_HOST_ENV) or None,
             advertise_host=env.get(ADVERTISE_HOST_ENV) or None,

@@ -200,10 +200,18 @@ def init_backend(
 
 def _start_elastic(s: Settings) -> ElasticBackend:
     if not s.coordinator:
+        # Under torchrun, its ferrogrpc rendezvous exports the coordinator's
+        # address (control/torchrun.py); another rendezvous does not.
+        torchrun = (
+            ". Under torchrun, launch with --rdzv-backend=ferrogrpc "
+            "--rdzv-endpoint=HOST:PORT (the coordinator's), which passes it on"
+            if s.torchrun_run_id
+            else ""
+        )
         raise ConfigError(
             "elastic=True needs a coordinator (coordinator='host:port' or "
             "FERROGRPC_COORDINATOR; start one with `ferrogrpc coordinator`): it is the "
-            "membership's authority, so that no rank is a single point of failure"
+            f"membership's authority, so that no rank is a single point of failure{torchrun}"
         )
     if s.min_world_size < 1:
         raise ConfigError(f"min_world_size must be 1 or more, got {s.min_world_size}")

@@ -471,6 +471,7 @@ class Coordinator:
             joined=len(self._members),
             run_id=self.run_id,
             metrics_port=self.metrics_port,
+            ended=group.ended,
             members=[
                 rpb.Member(
                     rank=m.rank,

@@ -160,6 +160,15 @@ class ElasticMembership:
     def min_world_size(self, value: int) -> None:
         self.floor = value
 
+    @property
+    def ended(self) -> str:
+        """Why the last group ended, while no new one has formed ("": none did)."""
+        if self.epoch or self.round is not None:
+            return ""
+        if self.over:
+            return "every member of the last epoch left"
+        return str(self._quorum_lost[2]) if self._quorum_lost is not None else ""
+
     # ------------------------------------------------------------- queries
 
     def _rank_of(self, peer_id: str) -> int | None:

@@ -152,7 +152,7 @@ class Member(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., last_heartbeat: _Optional[float] = ..., collective: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("world_size", "joined", "run_id", "members", "metrics_port", "epoch", "joiners")
+    __slots__ = ("world_size", "joined", "run_id", "members", "metrics_port", "epoch", "joiners", "ended")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     JOINED_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class StatusResponse(_message.Message):
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     JOINERS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     joined: int
     run_id: str
@@ -167,7 +168,8 @@ class StatusResponse(_message.Message):
     metrics_port: int
     epoch: int
     joiners: _containers.RepeatedCompositeFieldContainer[Member]
-    def __init__(self, world_size: _Optional[int] = ..., joined: _Optional[int] = ..., run_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., metrics_port: _Optional[int] = ..., epoch: _Optional[int] = ..., joiners: _Optional[_Iterable[_Union[Member, _Mapping]]] = ...) -> None: ...
+    ended: str
+    def __init__(self, world_size: _Optional[int] = ..., joined: _Optional[int] = ..., run_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., metrics_port: _Optional[int] = ..., epoch: _Optional[int] = ..., joiners: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., ended: _Optional[str] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("peer_id", "epoch", "n")
