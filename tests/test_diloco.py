@@ -759,3 +759,90 @@ def test_a_cut_inside_a_non_contiguous_parameter_reads_and_writes_its_own_elemen
     assert torch.equal(weight.detach().reshape(-1), torch.tensor([0.0] * 7 + [-1.0] * 5))
     assert torch.equal(bias.detach(), torch.full((3,), -1.0))
     assert not weight.is_contiguous()
+
+
+# --------------------------------------------------------------- issue 56
+
+
+def test_each_fragment_starts_once_per_sync_every_when_fragments_do_not_divide_it() -> None:
+    # Issue 56 item 10, the schedule alone: fragment f starts after the
+    # inner steps t >= 1 with t % H == (f * H) // F, once in any H steps.
+    from ferrogrpc.wrappers.diloco_fragments import fragment_starting, sync_delay, sync_offset
+
+    for h, fragments, offsets in ((5, 2, [0, 2]), (7, 3, [0, 2, 4]), (6, 4, [0, 1, 3, 4])):
+        assert [sync_offset(f, h, fragments) for f in range(fragments)] == offsets
+        starts: dict[int, list[int]] = {f: [] for f in range(fragments)}
+        for t in range(1, 4 * h + 1):
+            f = fragment_starting(t, h, fragments)
+            if f is not None:
+                starts[f].append(t)
+        for f in range(fragments):
+            first = offsets[f] or h
+            assert starts[f] == list(range(first, 4 * h + 1, h)), (h, fragments, f, starts)
+        # Each start is applied before the next one starts (tau <= the gap).
+        every = sorted(t for ts in starts.values() for t in ts)
+        assert min(b - a for a, b in itertools.pairwise(every)) >= sync_delay(h, fragments)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("h", "fragments"), [(5, 2), (7, 3)])
+def test_fragments_that_do_not_divide_sync_every_train_as_the_simulation(
+    h: int, fragments: int, pair: list[fg.Backend]
+) -> None:
+    # Issue 56 item 10, on real ranks: the simulation starts fragment f when
+    # (t - f*H//F) % H == 0 by its own arithmetic.
+    steps = 3 * h + 2
+    real = train(pair, steps, sync_every=h, fragments=fragments)
+    assert_close(real, simulate(2, steps, sync_every=h, fragments=fragments))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fragments", [2, 3])
+def test_a_delayed_fragment_keeps_its_batchnorm_buffers_local_progress(
+    fragments: int, trio: list[fg.Backend]
+) -> None:
+    # Issue 56 item 11: the floating buffers (BatchNorm's running mean and
+    # variance) ride with fragment 0, applied tau steps after they were
+    # taken: each rank's buffers become the mean at the start plus its own
+    # progress since, as the parameters do. The simulation with BatchNorm
+    # and F > 1 says so; the same run that drops the progress does not.
+    h = 6
+    steps = 3 * h + 1
+    real = train(trio, steps, sync_every=h, fragments=fragments, with_bn=True)
+    assert_close(real, simulate(3, steps, sync_every=h, fragments=fragments, with_bn=True))
+    running = [m.state_dict()["1.running_mean"] for m in real]
+    assert not torch.equal(running[0], running[1])  # local progress since the last exchange
+
+
+@pytest.mark.timeout(60)
+def test_a_state_dict_whose_exchange_is_due_is_refused(pair: list[fg.Backend]) -> None:
+    # Issue 56 item 12: H=4, F=2 (tau 2): after step 5, fragment 0's
+    # exchange started at step 4 is due at step 6. A state dict that says
+    # the inner step is 6 (due at this step: step() would have applied it)
+    # or 7 (one step later) with that exchange pending is refused; 4 (just
+    # started) and 5 load, and 3 (started after it) is refused.
+    def run(rank: int) -> dict[int, str]:
+        model = make_model(rank)
+        opt = make_inner(model)
+        diloco = fg.DiLoCo(model, pair[rank], opt, sync_every=4, fragments=2)
+        for t in range(5):
+            inner_step(diloco, opt, rank, t)
+            diloco.step()
+        saved = copy.deepcopy(diloco.state_dict())
+        assert saved["outer"]["pending"]["started"] == 4 and diloco.delay == 2
+        verdicts: dict[int, str] = {}
+        for steps in (3, 4, 5, 6, 7):
+            state = copy.deepcopy(saved)
+            state["outer"]["inner_steps"] = steps
+            try:
+                diloco.load_state_dict(state)
+            except fg.ConfigError as exc:
+                assert "not due after" in str(exc), exc
+                verdicts[steps] = "refused"
+            else:
+                assert diloco.inner_steps == steps
+                verdicts[steps] = "loaded"
+        return verdicts
+
+    for verdicts in on_ranks(run, 2):
+        assert verdicts == {3: "refused", 4: "loaded", 5: "loaded", 6: "refused", 7: "refused"}
