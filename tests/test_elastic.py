@@ -937,3 +937,49 @@ def test_the_stripes_cover_every_byte_for_every_size(members: int) -> None:
                     for i in range(seg.lo, seg.hi):
                         seen[seg.tensor][i] += 1
         assert all(all(c == 1 for c in s) for s in seen), (sizes, members)
+
+
+@pytest.mark.timeout(120)
+def test_a_kill_inside_the_boundary_all_reduce_settles_on_the_furthest_position(
+    tmp_path: Path,
+) -> None:
+    # Issue 56 item 4, with real processes: rank 1 dies inside the flag
+    # all-reduce of the boundary before step 4, after its flag reached one
+    # member only (a deterministic hook, see elastic_train.py). That member
+    # passes the boundary and stands in step 4's sync (position 9); the
+    # two others stay at step 4's boundary (position 8). The new epoch
+    # agrees on 9: those two skip into step 4, the first redoes only its
+    # sync, and no step is lost or doubled.
+    steps, kill_step = 10, 3
+    run = Run(
+        tmp_path,
+        4,
+        STEPS=str(steps),
+        BOUNDARY_KILL_STEP=str(kill_step),
+        BOUNDARY_KILL_RANK="1",
+        FERROGRPC_SHM="0",  # the flag over gRPC links, where the hook is
+        FERROGRPC_DIRECT="0",
+        SLOW="0.05",
+    )
+    try:
+        run.wait_for(
+            lambda: [d for d in run.lines() if d.get("event") == "kill" and d.get("boundary")],
+            60,
+            "no kill inside the boundary",
+        )
+        codes = run.finish(60)
+    finally:
+        run.close()
+    assert sorted(codes, key=str) == sorted([0, 0, 0, -signal.SIGKILL], key=str), run.output()
+    passed = [d for d in run.lines() if d.get("event") == "passed"]
+    assert len(passed) == 1 and passed[0]["step"] == kill_step + 1, run.output()
+    by_step = check_training(run, steps)
+    after = by_step[kill_step + 1]
+    assert len(after) == 3 and all(d["world"] == 3 for d in after), after
+    # The member that passed computed step 4 in the old epoch (its slice of
+    # four) and synced it in the new one; the others computed it anew.
+    ahead = [d for d in after if d["proc"] == passed[0]["proc"]]
+    assert ahead and ahead[0]["idx"] == list(range(passed[0]["rank"], 12, 4)), after
+    assert all(len(d["idx"]) == 4 for d in after if d is not ahead[0]), after
+    epochs = {d["epoch"] for d in run.lines() if "epoch" in d}
+    assert max(epochs) == 2, (sorted(epochs), run.output())

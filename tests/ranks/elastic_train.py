@@ -30,6 +30,13 @@ Environment:
   TRANSFER_KILL_RANK, TRANSFER_KILL_FILE: that rank SIGKILLs itself as soon
   as it has posted the optimizer's part of the state to a joiner (the
   model's part sent), if it can take (remove) the file: one process only.
+  BOUNDARY_KILL_STEP, BOUNDARY_KILL_RANK: that rank dies inside the
+  boundary's one-element all-reduce after that step (gRPC links only:
+  FERROGRPC_SHM=0, FERROGRPC_DIRECT=0). It sends its flag to one member
+  (named in OUT_DIR/boundary-passer), then holds its loop until that
+  member has passed the boundary (it touches OUT_DIR/boundary-passed as its
+  next step begins), then SIGKILLs itself: that member stands in the next
+  step's sync, the others at its boundary.
   OUT_DIR: where the final state goes.
   Each step's line also carries a digest of the parameters after it
   (``params``), which every contributor to that step must share.
@@ -92,6 +99,8 @@ def main() -> None:
     state = fg.ElasticState(ddp, opt, extra={"tag": "elastic-test"})
     if "TRANSFER_KILL_RANK" in os.environ:
         _die_sending(backend, int(os.environ["TRANSFER_KILL_RANK"]))
+    if "BOUNDARY_KILL_STEP" in os.environ:
+        _BOUNDARY["dir"] = out_dir
     print(json.dumps({"event": "start", "pid": os.getpid(), "t": time.time()}), flush=True)
     if os.environ.get("STOP_AT") == "start" and backend.rank == int(os.environ["STOP_RANK"]):
         print(json.dumps({"event": "stopping", "step": -1, "t": time.time()}), flush=True)
@@ -130,6 +139,67 @@ def _die_sending(backend: Any, rank: int) -> None:
     fg.ElasticState.send_to_joiners = send_then_die  # type: ignore[method-assign]
 
 
+# BOUNDARY_KILL_*: armed on the killed rank once its step is done.
+_BOUNDARY: dict[str, Any] = {"armed": False, "sent": 0}
+
+
+def _boundary_hook(dst: int, message: bytes) -> bytes:
+    """Every transport's send hook: a no-op until armed; then the boundary
+    flag (a one-element all-reduce) goes to one member, and this process
+    waits for that member to pass the boundary before it dies."""
+    if not _BOUNDARY["armed"]:
+        return message
+    from ferrogrpc.transport.wire import decode
+    from ferrogrpc.v1 import collective_pb2 as pb
+
+    header, payload = decode(message)
+    if payload.nbytes != 4 or header.kind != pb.ALL_REDUCE:
+        return message
+    _BOUNDARY["sent"] += 1
+    folder = _BOUNDARY["dir"]
+    if _BOUNDARY["sent"] == 1:
+        with open(os.path.join(folder, "boundary-passer.tmp"), "w") as f:
+            f.write(str(dst))
+        os.replace(
+            os.path.join(folder, "boundary-passer.tmp"), os.path.join(folder, "boundary-passer")
+        )
+        return message
+    # (This holds the loop: nothing more leaves this process.)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not os.path.exists(
+        os.path.join(folder, "boundary-passed")
+    ):
+        time.sleep(0.01)
+    print(json.dumps({"event": "kill", "boundary": True, "t": time.time()}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return message
+
+
+if "BOUNDARY_KILL_STEP" in os.environ:
+    from ferrogrpc.transport.grpc_streams import GrpcTransport
+
+    _init = GrpcTransport.__init__
+
+    def _hooked(self: GrpcTransport, *args: Any, **kwargs: Any) -> None:
+        _init(self, *args, **kwargs)
+        self.send_hook = _boundary_hook
+
+    GrpcTransport.__init__ = _hooked  # type: ignore[method-assign]
+
+
+def _passed_boundary(backend: Any, step: int) -> None:
+    """The member the killed rank's flag reached: say so as its next step
+    begins (it passed the boundary the others are stuck in)."""
+    passer = os.path.join(_BOUNDARY["dir"], "boundary-passer")
+    if step != int(os.environ["BOUNDARY_KILL_STEP"]) + 1 or not os.path.exists(passer):
+        return
+    with open(passer) as f:
+        if int(f.read()) != backend.rank:
+            return
+    print(json.dumps({"event": "passed", "step": step, "rank": backend.rank}), flush=True)
+    open(os.path.join(_BOUNDARY["dir"], "boundary-passed"), "w").close()
+
+
 def _digest(net: nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in net.named_parameters():
@@ -162,7 +232,11 @@ def run(backend: Any, ddp: Any, net: Any, opt: Any, state: Any, pad_mb: int) -> 
     file_rank = int(os.environ.get("FILE_KILL_RANK", str(kill_rank)))
     file_at = os.environ.get("FILE_KILL_AT", "before")
     file_done = False
+    boundary_step = int(os.environ.get("BOUNDARY_KILL_STEP", "-1"))
+    boundary_rank = int(os.environ.get("BOUNDARY_KILL_RANK", "-1"))
     for step in state.steps(steps):
+        if boundary_step >= 0:
+            _passed_boundary(backend, step)
         # Whether the state's transfer (the optimizer's part) is still on
         # its way as the step begins: a joiner's first step and its
         # members' run beside it (see [Note: the state in two parts]).
@@ -218,6 +292,8 @@ def run(backend: Any, ddp: Any, net: Any, opt: Any, state: Any, pad_mb: int) -> 
         }
         print(json.dumps(line), flush=True)
         state.extra = {"tag": "elastic-test", "last": step}
+        if step == boundary_step and backend.rank == boundary_rank:
+            _BOUNDARY["armed"] = True  # the next boundary's flag: see _boundary_hook
         if backend.world_size < world:
             time.sleep(slow)
         elif pace:
