@@ -21,6 +21,7 @@ from .errors import (
     ProtocolError,
     QuorumLostError,
     RendezvousError,
+    ShardLostError,
 )
 from .options import ChunkPolicy, Timeouts, TLSConfig
 from .transport.grpc_tuning import tune_when_grpc_loads
@@ -94,6 +95,7 @@ __all__ = [
     "PeerError",
     "ProtocolError",
     "QuorumLostError",
+    "ShardLostError",
     "ReduceOp",
     "RendezvousError",
     "TLSConfig",

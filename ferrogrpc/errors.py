@@ -120,6 +120,26 @@ class QuorumLostError(PeerError):
         self.lost = sorted(lost or [])
 
 
+class ShardLostError(PeerError):
+    """An elastic FSDP group lost a shard with every copy of it: its owner and
+    the buddy that kept a copy were lost in one change of epoch. Training
+    cannot go on from memory; resume from the last sharded checkpoint.
+    ``lost`` names the ranks lost and ``shards`` the lost shards (as ranks
+    of the layout that held them)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        lost: list[int] | None = None,
+        shards: list[int] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(message, **kwargs)
+        self.lost = sorted(lost or [])
+        self.shards = sorted(shards or [])
+
+
 class CollectiveTimeoutError(FerroGrpcError, TimeoutError):
     """A collective made no progress within the idle timeout, or did not finish
     within its deadline. ``peer`` names the rank this rank was waiting for."""
@@ -138,6 +158,7 @@ ERROR_CLASSES: dict[str, type[FerroGrpcError]] = {
         RendezvousError,
         PeerError,
         QuorumLostError,
+        ShardLostError,
         CollectiveTimeoutError,
         ProtocolError,
     )

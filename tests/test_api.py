@@ -31,6 +31,7 @@ def test_public_names_are_pinned() -> None:
             "PeerError",
             "ProtocolError",
             "QuorumLostError",
+            "ShardLostError",
             "ReduceOp",
             "RendezvousError",
             "SUPPORTED_DTYPES",

@@ -132,6 +132,7 @@ def elastic_state(
     backend._current = wire.rank(rank)
     backend._membership = Membership(2, world, tuple(f"127.0.0.1:{1000 + r}" for r in range(world)))
     backend._step = 7
+    backend.resharders = []
     closed: list[bool] = []
     backend.close = lambda: closed.append(True)  # type: ignore[method-assign]
 

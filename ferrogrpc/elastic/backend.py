@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -47,25 +47,9 @@ from ..samehost.plane import segment_bytes
 from ..samehost.segment import Spare
 from ..transport.grpc_streams import GrpcTransport
 from ..v1 import rendezvous_pb2 as rpb
-from .epoch import Membership, Settling, StartFailed, removal, start_peer
+from .epoch import GroupState, Membership, Resharder, Settling, StartFailed, removal, start_peer
 
 logger = logging.getLogger("ferrogrpc.elastic")
-
-
-class GroupState(Protocol):
-    """What a member hands to joiners (ElasticState, state.py)."""
-
-    step: int
-
-    # True while this process lacks part of the group's state (a receipt
-    # still landing, or one that failed).
-    incomplete: bool
-
-    def send_to_joiners(self, joined_from: int) -> None: ...
-    def receive_from_members(self, joined_from: int) -> int: ...
-    def finish_transfer(self) -> None: ...
-    def abandon_transfer(self) -> None: ...
-    def rejoined(self) -> None: ...
 
 
 class ElasticBackend:
@@ -114,6 +98,8 @@ class ElasticBackend:
         self._ahead = Ahead(self._spare)
         # The state a joiner receives, and members send (ElasticState).
         self.state: GroupState | None = None
+        # Sharded models whose shards move at every new epoch (FSDP's).
+        self.resharders: list[Resharder] = []
         # Where this process is (see _settle): the step it runs, 0 at its
         # boundary or 1 in its gradient sync; the gradient syncs of this
         # epoch so far (each committed through the coordinator); the
@@ -272,7 +258,10 @@ class ElasticBackend:
             self._syncs = 0
             self._stamped = False
             self._membership = Membership(
-                self._epoch, int(response.world_size), tuple(response.addresses)
+                self._epoch,
+                int(response.world_size),
+                tuple(response.addresses),
+                tuple(response.hosts),
             )
         metrics.note_epoch(observer_of(peer), self._epoch)
         self._client.set_beat(
@@ -322,10 +311,8 @@ class ElasticBackend:
         ``cause`` names if it is lost (gone, or silent), and agree with them
         on where the group is. Returns True if this process was no longer a
         member and joined again: it then holds the group's state (received
-        through its ElasticState), and the step it was in is discarded.
-
-        The new epoch may fail too (a member lost while the state is handed
-        out, or while the position is agreed): then this recovers again.
+        through its ElasticState), and the step it was in is discarded. A
+        new epoch that fails as it settles is recovered from in turn.
 
         Raises:
             QuorumLostError: fewer than ``min_world_size`` would remain.
@@ -400,6 +387,13 @@ class ElasticBackend:
         self._stamp(False)  # members at different places meet here, by design
         self._require().all_reduce(position, "max")
         self._last_target = int(position.item())
+        # Shards move to the new layout, which takes effect everywhere or
+        # nowhere: committed like a sync ([Note: shards held twice]).
+        swaps = [r.reshard(self.rank >= self._joined_from) for r in self.resharders]
+        if swaps and not self._commit():
+            raise PeerError("the group changed again while its shards moved", rank=self.rank)
+        for swap in swaps:
+            swap()
         return self._last_target
 
     def _stamp(self, on: bool) -> None:
@@ -458,24 +452,11 @@ class ElasticBackend:
         )
 
     def _prepare_spare(self) -> None:
-        """Have the next epoch's segment made ahead: on a joiner (which may
-        share its host with members), on a member whose epoch has ranks on
-        its host, and on a lone member, whose next epoch admits a joiner
-        that may be a process restarted beside it (a member of a group
-        spread over hosts, one a host, makes none and holds none: its next
-        epoch is unlikely to have ranks on its host)."""
+        """The next epoch's segment, made ahead (Spare.prepare_next)."""
         current = self._current
-        if not self._s.shm:
-            return
-        if current is None:
-            # Also the one after: a joiner has no epoch's own segment to
-            # hand back (see [Note: a segment handed back] in segment.py),
-            # and its cores are free while it waits.
-            self._spare.prepare(segment_bytes(), count=2)
-        elif current.data_path != "grpc" or current.world_size == 1:
-            self._spare.prepare(segment_bytes())
-        else:  # none kept either (a joiner's second, one handed back)
-            self._spare.drop()
+        if self._s.shm:
+            local = current is not None and (current.data_path != "grpc" or current.world_size == 1)
+            self._spare.prepare_next(segment_bytes(), current is None, local)
 
     def boundary(self, step: int) -> bool:
         """A step boundary, before ``step`` (``ElasticState.steps`` calls
@@ -557,13 +538,16 @@ class ElasticBackend:
                 if 2 * self._step < self._last_target:
                     return received
 
-    def run_sync(self, attempt: Callable[[], Callable[[], None]]) -> bool:
-        """Run a gradient sync (DDP's), redone in the next epoch if members
-        are lost. ``attempt()`` runs the collectives and returns what writes
-        the result (the ``.grad`` views), called only once every member
-        committed this sync through the coordinator: a lost member may have
-        sent its last part to some survivors and not to others. Returns True
-        if this process joined again instead: the step is discarded."""
+    def run_sync(self, attempt: Callable[[], Callable[[], None]], rerun: bool = False) -> bool:
+        """Run a gradient sync. ``attempt()`` runs the collectives and returns
+        what writes the result (the ``.grad``), called only once every
+        member committed this sync through the coordinator: a lost member may
+        have sent its last part to some survivors and not to others. If
+        members are lost, DDP's sync is redone in the next epoch with the
+        survivors; with ``rerun`` (FSDP's, whose shards move to the next
+        epoch: [Note: shards held twice]) the step is void instead, and runs
+        again over the new group. Returns True if the step is discarded
+        (void, or this process joined again)."""
         self._phase = 1
         while True:
             try:
@@ -576,28 +560,27 @@ class ElasticBackend:
                     write()
                     return False
                 cause: FerroGrpcError = PeerError(
-                    "the group lost members before this sync was committed: it is redone "
-                    "with the survivors",
+                    "the group lost members before this sync was committed: it is "
+                    + ("run again" if rerun else "redone with the survivors"),
                     rank=self.rank,
                 )
-            except QuorumLostError:
+            except (QuorumLostError, ConfigError):
                 raise
             except FerroGrpcError as exc:
                 cause = exc
-            rejoined = self.recover(cause)
+            rejoined = self.recover(cause) or rerun
             if not rejoined and self._behind():
                 self._rejoin()
                 rejoined = True
             if rejoined:
                 if self.state is not None:
-                    self.state.rejoined()
+                    self.state.rejoined()  # the step's index is the group's
                 return True
             self._stamp(True)  # the redo, in the new epoch, at this step
 
     def _commit(self) -> bool:
-        """Commit this epoch's next sync through the coordinator. A member
-        lost after its last part was sent is found here: this epoch's peer
-        breaks before every member committed, and the sync is redone."""
+        """Commit this epoch's next sync through the coordinator (a member
+        lost after its last part was sent is found here)."""
         n = self._syncs
         self._syncs += 1
         epoch = self._epoch

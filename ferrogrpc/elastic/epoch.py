@@ -1,6 +1,7 @@
 """One epoch of an elastic group, as ElasticBackend lives it: what it is
-(Membership), starting its peer while the last epoch's closes, the ways
-its start or its settling fails, and what a heartbeat says about it."""
+(Membership), what moves into it (the group's state, a sharded model's
+shards), starting its peer while the last epoch's closes, the ways its
+start or its settling fails, and what a heartbeat says about it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
 
 from ..control.membership_client import EpochRendezvous
 from ..env import Settings
@@ -29,6 +34,9 @@ class Membership:
     epoch: int
     world_size: int
     members: tuple[str, ...]
+    # The members' host keys, in rank order (ranks that share one share a
+    # host), where the coordinator knows them.
+    hosts: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +78,31 @@ class Settling(Exception):  # noqa: N818 - a hand-off, not a fault
         super().__init__(str(error))
         self.error = error
         self.rejoined = rejoined
+
+
+class GroupState(Protocol):
+    """What a member hands to joiners (ElasticState, state.py)."""
+
+    step: int
+
+    # True while this process lacks part of the group's state (a receipt
+    # still landing, or one that failed).
+    incomplete: bool
+
+    def send_to_joiners(self, joined_from: int) -> None: ...
+    def receive_from_members(self, joined_from: int) -> int: ...
+    def finish_transfer(self) -> None: ...
+    def abandon_transfer(self) -> None: ...
+    def rejoined(self) -> None: ...
+
+
+class Resharder(Protocol):
+    """A sharded model of an elastic group (FSDP's ElasticShards): its shards
+    move at every new epoch (see [Note: shards held twice])."""
+
+    def sharded_parameters(self) -> list[torch.Tensor]: ...
+    def attach(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def reshard(self, joined: bool) -> Callable[[], None]: ...
 
 
 class StartFailed(Exception):  # noqa: N818 - a hand-off, not a fault

@@ -286,11 +286,16 @@ def hyperparameters(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def outgoing(
-    model: nn.Module, optimizer: torch.optim.Optimizer, limits: Limits
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    limits: Limits,
+    sharded: frozenset[int] = frozenset(),
 ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
     """Every tensor of the state in stream order, with its name, and the
     optimizer's part of the header (its state, tensors as references into
-    the stream). Raises ConfigError for a state that cannot be sent."""
+    the stream), less the state of ``sharded`` parameters (by id: an
+    FSDP's shards, which move with their layout). Raises ConfigError for a
+    state that cannot be sent."""
     named: list[tuple[str, torch.Tensor]] = []
     for name, p in model.named_parameters():
         named.append((f"param:{name}", p.detach()))
@@ -302,7 +307,10 @@ def outgoing(
     params = [p.shape for g in optimizer.param_groups for p in g["params"]]
     state: dict[str, dict[str, Any]] = {}
     entries: dict[int, list[tuple[str, torch.Size]]] = {}
+    flat = [p for g in optimizer.param_groups for p in g["params"]]
     for key, entry in sd["state"].items():
+        if id(flat[int(key)]) in sharded:
+            continue
         first = len(named)
         out: dict[str, Any] = {}
         for field, value in entry.items():

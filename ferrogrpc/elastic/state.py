@@ -244,8 +244,17 @@ class ElasticState:
             raise ConfigError(f"ElasticState: extra must be JSON-able: {exc}") from None
         broadcast = getattr(model, "broadcast_parameters", None)
         inner = getattr(model, "module", None)
-        if broadcast is None or not isinstance(inner, nn.Module):
-            raise ConfigError("ElasticState needs the fg.DDP wrapper itself, not its module")
+        # An fg.FSDP registered its shards with the backend: they move with
+        # the group's layout, not in this transfer ([Note: shards held
+        # twice] in wrappers/fsdp_reshard.py).
+        sharded = bool(backend.resharders)
+        if (broadcast is None and not sharded) or not isinstance(inner, nn.Module):
+            raise ConfigError(
+                "ElasticState needs the fg.DDP or fg.FSDP wrapper itself, not its module"
+            )
+        for resharder in backend.resharders:
+            resharder.attach(optimizer)
+        self._sharded = frozenset(id(p) for r in backend.resharders for p in r.sharded_parameters())
         self._wrapper: Any = model
         self.model = inner
         self.optimizer = optimizer
@@ -305,7 +314,8 @@ class ElasticState:
         backend = self._backend
         if not self._started:
             self._started = True
-            if not backend.joining and backend.membership.epoch == 1 and self.step == 0:
+            first = not backend.joining and backend.membership.epoch == 1 and self.step == 0
+            if first and not self._sharded:  # (FSDP started from rank 0's weights)
                 self._same_start()
         step = self.step
         while True:
@@ -344,7 +354,7 @@ class ElasticState:
         cannot be sent is refused now, on every process alike, rather than
         at the first join (see [Note: values in the state header])."""
         self._first_step.remove()
-        outgoing(self.model, self.optimizer, self._limits)
+        outgoing(self.model, self.optimizer, self._limits, self._sharded)
 
     def send_to_joiners(self, joined_from: int) -> None:
         """On a member of a new epoch: send ranks ``joined_from`` and above
@@ -360,7 +370,7 @@ class ElasticState:
         refusal: str | None = None
         named: list[tuple[str, torch.Tensor]] = []
         try:
-            named, optimizer = outgoing(self.model, self.optimizer, self._limits)
+            named, optimizer = outgoing(self.model, self.optimizer, self._limits, self._sharded)
             raw = (
                 encode_header(named, optimizer, backend.step_index, self.extra, self._configured)
                 if rank == 0
@@ -596,7 +606,10 @@ class ElasticState:
         (received with the header, see receive_from_members)."""
         groups = self.optimizer.state_dict()["param_groups"]
         state = {key: resolve(entry, targets) for key, entry in header.state.items()}
+        # A sharded model's shards keep the state that moved with them.
+        kept = {p: st for p, st in self.optimizer.state.items() if id(p) in self._sharded}
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        self.optimizer.state.update(kept)
 
     @staticmethod
     def _copy_into(

@@ -124,6 +124,23 @@ class Spare:
         self._lock = threading.Lock()
         self._closed = False
 
+    def prepare_next(self, nbytes: int, joining: bool, local: bool) -> None:
+        """Have the next epoch's segment made ahead: on a joiner (which may
+        share its host with members), and on a member whose epoch has ranks
+        on its host or is alone (``local``: its next epoch admits a joiner
+        that may be a process restarted beside it). A member of a group
+        spread over hosts, one a host, makes none and holds none: its next
+        epoch is unlikely to have ranks on its host."""
+        if joining:
+            # Also the one after: a joiner has no epoch's own segment to
+            # hand back (see [Note: a segment handed back]), and its cores
+            # are free while it waits.
+            self.prepare(nbytes, count=2)
+        elif local:
+            self.prepare(nbytes)
+        else:  # none kept either (a joiner's second, one handed back)
+            self.drop()
+
     def prepare(self, nbytes: int, count: int = 1) -> None:
         """Start making segments of ``nbytes`` until ``count`` are held or
         being made (one thread makes them in turn)."""

@@ -10,13 +10,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..elastic.backend import ElasticBackend
+from ..errors import ConfigError, FerroGrpcError
 from ..observe.observer import FSDP_GATHER_WAIT, FSDP_REDUCE_WAIT
 from ..ops import SUPPORTED_DTYPES
 from ..runtime.backend import Backend
 from ..runtime.peer import observer_of
 from ..runtime.work import Work
 from .fingerprint import check_same_model
+from .fsdp_elastic import ElasticShards
 from .fsdp_plan import ShardedParam, Units, plan_units, unit_matcher
 from .fsdp_units import UnitRuntime
 
@@ -119,14 +121,8 @@ class FSDP(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
-        if getattr(backend, "elastic", False):
-            raise ConfigError(
-                "FSDP does not support elastic groups yet (a shard's owner may be lost, and "
-                "re-sharding is not built): in an elastic group (init_backend(elastic=True)) "
-                "use fg.DDP with fg.ElasticState; FSDP needs a fixed group",
-                rank=backend.rank,
-                world_size=backend.world_size,
-            )
+        elastic = backend if isinstance(backend, ElasticBackend) else None
+        joining = elastic is not None and elastic.joining
         if not isinstance(reshard_after_forward, bool):
             raise ConfigError(
                 f"reshard_after_forward must be True or False, got {reshard_after_forward!r}"
@@ -140,17 +136,26 @@ class FSDP(nn.Module):
         if plans is not None:
             layout = [f"unit {p.name or '<root>'}: {', '.join(p.names)}" for p in plans]
             layout.append(f"reshard_after_forward={reshard_after_forward}")
-        check_same_model(module, backend, "FSDP", extra=layout)
+        if not joining:
+            check_same_model(module, backend, "FSDP", extra=layout)
+        if elastic is not None and not joining:
+            # The first epoch's members start from rank 0's weights, as
+            # elastic DDP's do (ElasticState's start).
+            with torch.no_grad():
+                for _, p in named:
+                    backend.broadcast(p.data, 0)
         self.module = module
         self._backend = backend
-        self._world = backend.world_size
-        self._rank = backend.rank
+        # A joiner holds no shard until the epoch that admits it lays them out.
+        self._world = backend.world_size if not joining else 1
+        self._rank = backend.rank if not joining else 0
         self._entries: list[ShardedParam] = []
         self._gathered = False
         self._released = False
+        fulls: list[torch.Tensor] = []
         for name, p in named:
             numel = p.numel()
-            shard_numel = -(-numel // self._world)
+            shard_numel = -(-numel // self._world) if not joining else 0
             flat = p.detach().reshape(-1)
             lo = min(self._rank * shard_numel, numel)
             hi = min(lo + shard_numel, numel)
@@ -158,11 +163,22 @@ class FSDP(nn.Module):
             data[: hi - lo] = flat[lo:hi]
             shard = nn.Parameter(data, requires_grad=p.requires_grad)
             self._entries.append(ShardedParam(name, p, shard, p.shape, numel, shard_numel))
+            if elastic is not None:
+                fulls.append(p.detach().clone())
             _free(p)
+        # In an elastic group: the copies this rank keeps, and the re-shard
+        # at every change of epoch ([Note: shards held twice]).
+        self._elastic: ElasticShards | None = None
+        if elastic is not None:
+            self._elastic = ElasticShards(self._entries, elastic, self._relayout)
+            if not joining:
+                self._elastic.cut_copies(fulls)
+        del fulls
+        tolerate = self._elastic.failed if self._elastic is not None else None
         self._units: UnitRuntime | None = None
         if plans is not None:
             by_name = {e.name: e for e in self._entries}
-            self._units = UnitRuntime(plans, by_name, backend, reshard_after_forward)
+            self._units = UnitRuntime(plans, by_name, backend, reshard_after_forward, tolerate)
 
     @property
     def backend(self) -> Backend:
@@ -211,25 +227,46 @@ class FSDP(nn.Module):
 
     # -------------------------------------------------------------- gather
 
-    def _gather(self) -> list[torch.Tensor]:
+    def _gather(self, tolerant: bool = False) -> list[torch.Tensor]:
+        """Every full parameter. ``tolerant`` (an elastic group's forward): a
+        failed gather voids the step instead of raising, and the forward
+        goes on with zeros (see ElasticShards.failed)."""
         self._check_usable()
-        works: list[Work[torch.Tensor]] = []
-        outs: list[torch.Tensor] = []
-        for e in self._entries:
-            out = torch.empty(
-                e.shard_numel * self._world, dtype=e.shard.dtype, device=e.shard.device
-            )
-            works.append(self._backend.all_gather_into_tensor(out, e.shard.detach(), async_op=True))
-            outs.append(out)
-        nbytes = sum(out.nbytes for out in outs)
-        observer = observer_of(self._backend.peer)
-        with observer.span(FSDP_GATHER_WAIT, "gather <root>", unit="<root>", bytes=nbytes):
-            for work in works:
-                work.wait()
+        outs = [
+            torch.zeros(e.shard_numel * self._world, dtype=e.shard.dtype, device=e.shard.device)
+            for e in self._entries
+        ]
+        elastic = self._elastic if tolerant else None
+        if elastic is None or elastic.void is None:
+            try:
+                works = [
+                    self._backend.all_gather_into_tensor(out, e.shard.detach(), async_op=True)
+                    for out, e in zip(outs, self._entries, strict=True)
+                ]
+                nbytes = sum(out.nbytes for out in outs)
+                observer = observer_of(self._backend.peer)
+                with observer.span(FSDP_GATHER_WAIT, "gather <root>", unit="<root>", bytes=nbytes):
+                    for work in works:
+                        work.wait()
+            except FerroGrpcError as exc:
+                if elastic is None:
+                    raise
+                elastic.failed(exc)
+                for out in outs:
+                    out.zero_()
         return [out[: e.numel].view(e.shape) for out, e in zip(outs, self._entries, strict=True)]
 
+    def _relayout(self, world: int, rank: int) -> None:
+        """An elastic group's new layout took effect: every shard is now
+        1/``world`` of its parameter (the same Parameter objects)."""
+        self._world, self._rank = world, rank
+        for e in self._entries:
+            e.shard_numel = -(-e.numel // world)
+        if self._units is not None:
+            self._units.relayout(world)
+
     def _install(self) -> None:
-        for e, full in zip(self._entries, self._gather(), strict=True):
+        for e, full in zip(self._entries, self._gather(tolerant=True), strict=True):
             e.param.data = full
         self._gathered = True
 
@@ -264,33 +301,60 @@ class FSDP(nn.Module):
         reduce-scatters that backward started (reducing zeros if there was
         no backward since the last sync). Either way ``.grad`` is assigned
         only once every reduce-scatter succeeded; on failure this raises and
-        leaves every ``.grad`` as it was."""
+        leaves every ``.grad`` as it was.
+
+        In an elastic group a failure does not raise: the step is void, the
+        group forms again without the lost (re-sharded in memory, see
+        [Note: shards held twice]), every ``.grad`` is None and
+        ``ElasticState.steps()`` yields this step again, to be re-run over
+        the new group."""
         self._check_usable()
+        if self._elastic is not None:
+            self._elastic.sync(self._reduce)
+            return
         if self._units is not None:
             self._units.sync()
             return
+        for i, g in self._reduce().items():
+            self._entries[i].shard.grad = g
+
+    def _reduce(self) -> dict[int, torch.Tensor]:
+        """The step's reduce-scatters, waited for (with units: started by
+        backward) or run now: each trained parameter's mean gradient shard,
+        by its index. Raises the first failure; nothing is assigned."""
+        if self._units is not None:
+            index = {id(e): i for i, e in enumerate(self._entries)}
+            return {index[key]: g for key, (_, g) in self._units.collect().items()}
         works: list[Work[torch.Tensor]] = []
         grads: list[torch.Tensor] = []
-        for e in self._entries:
-            padded = torch.zeros(
-                e.shard_numel * self._world, dtype=e.shard.dtype, device=e.shard.device
-            )
-            g = e.param.grad if self._gathered else None
-            if g is not None:
-                padded[: e.numel] = g.detach().reshape(-1)
-            out = torch.empty(e.shard_numel, dtype=e.shard.dtype, device=e.shard.device)
-            works.append(self._backend.reduce_scatter_tensor(out, padded, "mean", async_op=True))
-            grads.append(out)
-            del padded
-        nbytes = sum(g.nbytes for g in grads) * self._world
-        observer = observer_of(self._backend.peer)
-        with observer.span(FSDP_REDUCE_WAIT, "reduce-scatter <root>", unit="<root>", bytes=nbytes):
-            for work in works:
-                work.wait()
-        for e, g in zip(self._entries, grads, strict=True):
-            if e.shard.requires_grad:
-                e.shard.grad = g
-        self._release()
+        try:
+            for e in self._entries:
+                padded = torch.zeros(
+                    e.shard_numel * self._world, dtype=e.shard.dtype, device=e.shard.device
+                )
+                g = e.param.grad if self._gathered else None
+                if g is not None:
+                    padded[: e.numel] = g.detach().reshape(-1)
+                out = torch.empty(e.shard_numel, dtype=e.shard.dtype, device=e.shard.device)
+                works.append(
+                    self._backend.reduce_scatter_tensor(out, padded, "mean", async_op=True)
+                )
+                grads.append(out)
+                del padded
+            nbytes = sum(g.nbytes for g in grads) * self._world
+            observer = observer_of(self._backend.peer)
+            with observer.span(
+                FSDP_REDUCE_WAIT, "reduce-scatter <root>", unit="<root>", bytes=nbytes
+            ):
+                for work in works:
+                    work.wait()
+        finally:
+            self._release()
+        return {
+            i: g
+            for i, (e, g) in enumerate(zip(self._entries, grads, strict=True))
+            if e.shard.requires_grad
+        }
 
     def _release(self) -> None:
         for e in self._entries:

@@ -8,13 +8,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..errors import FerroGrpcError
 from ..observe.observer import FSDP_GATHER_WAIT, FSDP_REDUCE_WAIT
 from ..runtime.backend import Backend
 from ..runtime.peer import observer_of
@@ -64,10 +65,14 @@ class UnitRuntime:
         by_name: dict[str, ShardedParam],
         backend: Backend,
         reshard_after_forward: bool,
+        tolerate: Callable[[FerroGrpcError], None] | None = None,
     ) -> None:
         self._backend = backend
-        # Where the waits are told (spans: the trace, metrics).
-        self._observer = observer_of(backend.peer)
+        # An elastic group's: a collective that fails in a hook voids the
+        # step (ElasticShards.failed) and the hooks go on without
+        # communication; None: it raises.
+        self._tolerate = tolerate
+        self._void = False
         self._world = backend.world_size
         self._reshard = reshard_after_forward
         self._lock = threading.RLock()
@@ -82,12 +87,8 @@ class UnitRuntime:
         self._rounds = 0  # backward passes since the last sync
         self._pending: list[tuple[ShardedParam, Work[torch.Tensor], torch.Tensor]] = []
         self._handles: list[RemovableHandle] = []
+        self.relayout(self._world)
         for unit in self.units:
-            for e in unit.entries:
-                n = e.shard_numel * self._world
-                full = torch.empty(n, dtype=e.shard.dtype, device=e.shard.device)
-                full.untyped_storage().resize_(0)
-                e.full = full
             if unit is not self._root:
                 pre = functools.partial(self._pre_forward, unit)
                 post = functools.partial(self._post_forward, unit)
@@ -96,6 +97,23 @@ class UnitRuntime:
             for e in unit.trained:
                 hook = functools.partial(self._on_grad, unit, e)
                 self._handles.append(e.param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+
+    def relayout(self, world: int) -> None:
+        """Gather buffers for shards of 1/``world`` (none gathered now)."""
+        self._world = world
+        for unit in self.units:
+            for e in unit.entries:
+                full = torch.empty(
+                    e.shard_numel * world, dtype=e.shard.dtype, device=e.shard.device
+                )
+                full.untyped_storage().resize_(0)
+                e.full = full
+
+    def _failed(self, exc: FerroGrpcError) -> None:
+        if self._tolerate is None:
+            raise exc
+        self._tolerate(exc)
+        self._void = True
 
     def layout(self) -> list[tuple[str, list[str]]]:
         return [(u.name, [e.name for e in u.entries]) for u in self.units]
@@ -111,7 +129,13 @@ class UnitRuntime:
         for e in unit.entries:
             assert e.full is not None
             e.full.untyped_storage().resize_(e.full.numel() * e.full.element_size())
-            work = self._backend.all_gather_into_tensor(e.full, e.shard.detach(), async_op=True)
+            if self._void:
+                continue  # a void step: no communication (see _failed)
+            try:
+                work = self._backend.all_gather_into_tensor(e.full, e.shard.detach(), async_op=True)
+            except FerroGrpcError as exc:
+                self._failed(exc)
+                continue
             unit.gathers.append(work)
 
     def _ensure(self, unit: _Unit) -> None:
@@ -122,11 +146,18 @@ class UnitRuntime:
         if unit.gathers is None:
             return
         nbytes = sum(e.full.nbytes for e in unit.entries if e.full is not None)
-        with self._observer.span(
+        with observer_of(self._backend.peer).span(
             FSDP_GATHER_WAIT, f"gather {unit.name}", unit=unit.name, bytes=nbytes
         ):
             for work in unit.gathers:
-                work.wait()
+                try:
+                    work.wait()
+                except FerroGrpcError as exc:
+                    self._failed(exc)
+        if self._void:
+            for e in unit.entries:
+                assert e.full is not None
+                e.full.zero_()
         unit.gathers = None
         for e in unit.entries:
             assert e.full is not None
@@ -301,8 +332,12 @@ class UnitRuntime:
                 flat[: e.numel].copy_(grad.detach().reshape(-1))
             del grad
             out = torch.empty(e.shard_numel, **kw)
-            work = self._backend.reduce_scatter_tensor(out, flat, "mean", async_op=True)
-            self._pending.append((e, work, out))
+            if not self._void:
+                try:
+                    work = self._backend.reduce_scatter_tensor(out, flat, "mean", async_op=True)
+                    self._pending.append((e, work, out))
+                except FerroGrpcError as exc:
+                    self._failed(exc)
             del flat
         if len(unit.trained) == len(unit.entries):
             # Every use of a trained parameter is a node that computes its
@@ -335,6 +370,14 @@ class UnitRuntime:
         """Wait for every reduce-scatter issued since the last sync and only
         then set each shard's ``.grad`` (the sum over backward passes); on
         any failure raise the first error and leave ``.grad`` alone."""
+        for e, grad in self.collect().values():
+            e.shard.grad = grad
+
+    def collect(self) -> dict[int, tuple[ShardedParam, torch.Tensor]]:
+        """Wait for every reduce-scatter issued since the last sync: each
+        trained entry's gradient shard (the sum over backward passes), by
+        the entry's id. Raises the first failure (or a void step's)."""
+        void, self._void = self._void, False
         with self._lock:
             try:
                 if self._in_backward:
@@ -353,7 +396,7 @@ class UnitRuntime:
         for e, work, out in pending:
             owner = self._unit_of.get(id(e), "?")
             try:
-                with self._observer.span(
+                with observer_of(self._backend.peer).span(
                     FSDP_REDUCE_WAIT,
                     f"reduce-scatter {owner}",
                     unit=owner,
@@ -365,12 +408,13 @@ class UnitRuntime:
                 failure = failure or exc
         if failure is not None:
             raise failure
+        if void:
+            raise FerroGrpcError("a collective of this step failed (the step is void)")
         sums: dict[int, tuple[ShardedParam, torch.Tensor]] = {}
         for e, _, out in pending:
             seen = sums.get(id(e))
             sums[id(e)] = (e, out if seen is None else seen[1] + out)
-        for e, grad in sums.values():
-            e.shard.grad = grad
+        return sums
 
     def close(self) -> None:
         """Remove every hook and free every gathered parameter."""

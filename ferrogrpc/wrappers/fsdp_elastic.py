@@ -1,0 +1,453 @@
+"""Elastic FSDP's I/O part: the copy of a buddy's shard each rank keeps, the
+gradient each owner hands its buddy at a sync, the copy's optimizer step,
+and the re-shard at every change of epoch (see [Note: shards held twice]
+in fsdp_reshard.py, which plans it)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from ..errors import ConfigError, FerroGrpcError, ShardLostError
+from ..runtime.work import Work
+from .fsdp_plan import ShardedParam
+from .fsdp_reshard import COPY, OWN, Layout, Lost, Piece, plan
+
+logger = logging.getLogger("ferrogrpc.fsdp")
+
+# Point-to-point tags: a gradient handed to a buddy; a re-shard's pieces.
+GRAD_TAG = 0xFE57B000
+MOVE_TAG = GRAD_TAG + 1
+# The most bytes one message carries.
+MESSAGE_BYTES = 32 * 2**20
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
+_DTYPES.update({str(d): d for d in (torch.int64, torch.int32, torch.uint8, torch.bool)})
+
+
+class ElasticBackend(Protocol):
+    """What the shards need of elastic/backend.py's ElasticBackend (not
+    imported here, to keep the import chains short): its current epoch,
+    its resharders' list, its sync, and the collectives it forwards."""
+
+    resharders: list[Any]
+
+    @property
+    def joining(self) -> bool: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def membership(self) -> Any: ...
+    def run_sync(self, attempt: Callable[[], Callable[[], None]], rerun: bool = ...) -> bool: ...
+    def __getattr__(self, name: str) -> Any: ...
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+class ElasticShards:
+    """An FSDP's shards in an elastic group (ElasticBackend.resharders):
+    keeps the copy of the shards its layout's buddy rule gives this rank,
+    steps it with the owner's gradient, and re-shards at every new epoch.
+
+    ``relayout(world, rank)`` is FSDP's own update once a layout takes
+    effect (the shards' sizes changed; their Parameter objects did not)."""
+
+    def __init__(
+        self,
+        entries: Sequence[ShardedParam],
+        backend: ElasticBackend,
+        relayout: Callable[[int, int], None],
+    ) -> None:
+        self._entries = list(entries)
+        self._backend = backend
+        self._relayout = relayout
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.holds = not backend.joining
+        m = backend.membership
+        self.layout = Layout(m.epoch, m.world_size, m.hosts) if self.holds else Layout(0, 0, ())
+        self.rank = backend.rank if self.holds else -1
+        self.copies: list[torch.Tensor] = []
+        self.copy_state: list[dict[str, Any]] = [{} for _ in self._entries]
+        # Set by a hook when a collective of this step failed: the step is
+        # void, re-run over the next epoch (ElasticBackend.run_sync).
+        self.void: FerroGrpcError | None = None
+        self._copy_grads: list[torch.Tensor | None] | None = None
+        self._stepping = False
+        self.last_move: dict[str, float] | None = None
+        backend.resharders.append(self)
+
+    def cut_copies(self, fulls: Sequence[torch.Tensor]) -> None:
+        """The first epoch: cut the copy this rank keeps from the full
+        parameters (every member starts from the same)."""
+        owner = self.layout.copy_of(self.rank)
+        self.copies = []
+        for e, full in zip(self._entries, fulls, strict=True):
+            copy = torch.zeros(e.shard_numel, dtype=full.dtype, device=full.device)
+            if owner is not None:
+                lo = min(owner * e.shard_numel, e.numel)
+                hi = min(lo + e.shard_numel, e.numel)
+                copy[: hi - lo] = full.reshape(-1)[lo:hi]
+            self.copies.append(copy)
+
+    # ---------------------------------------------------------- protocol
+
+    def sharded_parameters(self) -> list[torch.Tensor]:
+        """The shards: ElasticState leaves them out of its transfer (they
+        move here), with their optimizer state."""
+        return [e.shard for e in self._entries]
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer that trains the shards (ElasticState's): its step
+        also steps the copies ([Note: shards held twice])."""
+        shards = {id(e.shard) for e in self._entries}
+        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        if not shards <= mine:
+            raise ConfigError(
+                "ElasticState: the optimizer must train the FSDP wrapper's parameters "
+                "(build it on fsdp.parameters())"
+            )
+        self.optimizer = optimizer
+        optimizer.register_step_post_hook(self._step_copies)
+
+    # -------------------------------------------------------------- sync
+
+    def sync(self, reduce: Callable[[], dict[int, torch.Tensor]]) -> bool:
+        """The gradient sync: ``reduce()`` waits for the reduce-scatters and
+        gives each trained entry's mean gradient shard (by index); each goes
+        to this rank's buddy too, and the shards' ``.grad`` are set once the
+        sync is committed. Returns True if the step is void (the group
+        changed while it ran): it is re-run over the new group."""
+
+        def attempt() -> Callable[[], None]:
+            grads = reduce()
+            if self.void is not None:
+                raise self.void
+            copy_grads = self._hand_over(grads)
+
+            def write() -> None:
+                for i, g in grads.items():
+                    self._entries[i].shard.grad = g
+                self._copy_grads = copy_grads
+
+            return write
+
+        if self.optimizer is None:
+            raise ConfigError(
+                "FSDP in an elastic group needs fg.ElasticState(fsdp, optimizer) built before the "
+                "first step: it moves the optimizer's state with the shards"
+            )
+        void = self._backend.run_sync(attempt, rerun=True)
+        self.void = None
+        if void:
+            for e in self._entries:
+                e.shard.grad = None
+            self._copy_grads = None
+        return void
+
+    def failed(self, exc: FerroGrpcError) -> None:
+        """A collective of this step failed where its caller cannot take an
+        error (a forward or backward hook): the step is void, and the forward
+        and backward go on without communication, on zeros, to the sync,
+        which re-runs the step over the next epoch. A bad argument still
+        raises."""
+        if isinstance(exc, ConfigError):
+            raise exc
+        if self.void is None:
+            logger.info("a collective failed inside the step (%s): the step is re-run", exc)
+            self.void = exc
+
+    def _trained(self) -> list[int]:
+        return [i for i, e in enumerate(self._entries) if e.shard.requires_grad]
+
+    def _hand_over(self, grads: dict[int, torch.Tensor]) -> list[torch.Tensor | None]:
+        """Send this rank's gradient shards to its buddy and receive the
+        ones of the shard it keeps a copy of."""
+        backend, layout = self._backend, self.layout
+        buddy, owner = layout.buddy(self.rank), layout.copy_of(self.rank)
+        trained = self._trained()
+        works: list[Work[Any]] = []
+        if buddy is not None and trained:
+            flat = torch.cat([_bytes(grads[i].contiguous()) for i in trained])
+            works.append(backend.send(flat, buddy, GRAD_TAG, async_op=True))
+        received: list[torch.Tensor | None] = [None] * len(self._entries)
+        if owner is not None and trained:
+            sizes = [
+                self._entries[i].shard_numel * self._entries[i].shard.element_size()
+                for i in trained
+            ]
+            into = torch.empty(sum(sizes), dtype=torch.uint8)
+            backend.recv(into, owner, GRAD_TAG)
+            offset = 0
+            for i, size in zip(trained, sizes, strict=True):
+                e = self._entries[i]
+                received[i] = into[offset : offset + size].view(e.shard.dtype).clone()
+                offset += size
+        for work in works:
+            work.wait()
+        return received
+
+    def _step_copies(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        """After the optimizer stepped the shards: the same step on the
+        copies, with the same optimizer (its hyperparameters as they are
+        now), so that each copy stays bitwise equal to its owner's shard.
+        Every other parameter of the optimizer sits this step out."""
+        grads, self._copy_grads = self._copy_grads, None
+        if self._stepping or grads is None or not self.copies:
+            return
+        shards = {id(e.shard) for e in self._entries}
+        others = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in shards]
+        hidden = [(p, p.grad) for p in others]
+        saved = [
+            (e.shard.data, e.shard.grad, optimizer.state.pop(e.shard, None)) for e in self._entries
+        ]
+        try:
+            for p in others:
+                p.grad = None
+            for e, copy, state, grad in zip(
+                self._entries, self.copies, self.copy_state, grads, strict=True
+            ):
+                e.shard.data = copy
+                e.shard.grad = grad
+                optimizer.state[e.shard] = state
+            self._stepping = True
+            # The step itself, without the optimizer's hooks (this runs in
+            # one of them; torch's wrapper keeps the function it wraps).
+            step = getattr(type(optimizer).step, "__wrapped__", None)
+            if step is not None:
+                step(optimizer)
+            else:
+                optimizer.step()
+        finally:
+            self._stepping = False
+            for i, (e, (data, grad, state)) in enumerate(zip(self._entries, saved, strict=True)):
+                self.copy_state[i] = optimizer.state.pop(e.shard, {})
+                e.shard.data, e.shard.grad = data, grad
+                if state is not None:
+                    optimizer.state[e.shard] = state
+            for p, g in hidden:
+                p.grad = g
+
+    # ------------------------------------------------------------ reshard
+
+    def reshard(self, joined: bool) -> Callable[[], None]:
+        """In a new epoch, on every member in rank order: cut the new
+        layout's shards and copies out of the old layout's, moved between
+        members as the plan says; returns what makes them this process's
+        once the change is committed (ElasticBackend._settle). Raises
+        ShardLostError if a shard and its copy are both gone."""
+        backend = self._backend
+        began = time.monotonic()
+        m = backend.membership
+        new = Layout(m.epoch, m.world_size, m.hosts)
+        me = backend.rank
+        holds = self.holds and not joined
+        mine = torch.tensor(
+            [int(holds), self.layout.epoch if holds else 0, self.rank if holds else -1],
+            dtype=torch.int64,
+        )
+        table = torch.empty(3 * new.world, dtype=torch.int64)
+        backend.all_gather_into_tensor(table, mine)
+        rows = table.view(new.world, 3).tolist()
+        newest = max((r[1] for r in rows if r[0]), default=0)
+        holders = {r[2]: j for j, r in enumerate(rows) if r[0] and r[1] == newest}
+        if not holders:
+            raise self._lost(backend, [], [], "no member holds the group's shards")
+        meta = self._meta(backend, min(holders.values()), holds)
+        old = Layout(int(meta["epoch"]), int(meta["world"]), tuple(meta["hosts"]))
+        try:
+            pieces = plan([e.numel for e in self._entries], old, holders, new)
+        except Lost as lost:
+            gone = sorted(set(range(old.world)) - set(holders))
+            raise self._lost(backend, gone, lost.shards, str(lost)) from None
+        planes = meta["planes"]
+        own, copy = self._move(backend, pieces, planes, new, me)
+        moved = sum(p.length for p in pieces if p.src != p.dst)
+
+        def swap() -> None:
+            self._take(own, copy, planes, meta["scalars"], new, me)
+            self.last_move = {"seconds": time.monotonic() - began, "elements": float(moved)}
+            logger.info(
+                "epoch %d: shards re-laid over %d ranks (from %d), %d elements moved in %.3f s",
+                new.epoch,
+                new.world,
+                old.world,
+                moved,
+                time.monotonic() - began,
+            )
+
+        return swap
+
+    def _lost(
+        self, backend: ElasticBackend, gone: list[int], shards: list[int], why: str
+    ) -> ShardLostError:
+        return ShardLostError(
+            f"the FSDP group lost shards {shards} of its layout with every copy of them "
+            f"(ranks {gone} of that layout are gone: an owner and its buddy at once): {why}; "
+            "training cannot go on from memory: resume from the last sharded checkpoint "
+            "(load_sharded_state_dict) or a full_state_dict() saved earlier",
+            lost=gone,
+            shards=shards,
+            rank=backend.rank,
+            world_size=backend.world_size,
+        )
+
+    def _meta(self, backend: ElasticBackend, source: int, holds: bool) -> dict[str, Any]:
+        """The old layout and each entry's optimizer state planes (keys and
+        dtypes of the tensors shaped like the shard) and scalars, as the
+        lowest holder has them, broadcast to every member."""
+        raw = b""
+        if backend.rank == source:
+            planes: list[list[list[str]]] = []
+            scalars: list[dict[str, list[Any]]] = []
+            for e in self._entries:
+                state = self.optimizer.state.get(e.shard, {}) if self.optimizer else {}
+                keys: list[list[str]] = []
+                values: dict[str, list[Any]] = {}
+                for key in sorted(state):
+                    value = state[key]
+                    if isinstance(value, torch.Tensor) and value.shape == (e.shard_numel,):
+                        keys.append([key, str(value.dtype)])
+                    elif isinstance(value, torch.Tensor) and value.dim() == 0:
+                        values[key] = [value.item(), str(value.dtype)]
+                    elif isinstance(value, bool | int | float) or value is None:
+                        values[key] = [value, None]
+                    else:
+                        raise ConfigError(
+                            f"FSDP in an elastic group: the optimizer's state {key!r} of "
+                            f"{e.name} is neither shaped like the shard nor a scalar; it "
+                            "cannot move with the shards"
+                        )
+                planes.append(keys)
+                scalars.append(values)
+            raw = json.dumps(
+                {
+                    "epoch": self.layout.epoch,
+                    "world": self.layout.world,
+                    "hosts": list(self.layout.hosts),
+                    "planes": planes,
+                    "scalars": scalars,
+                }
+            ).encode()
+        length = torch.tensor([len(raw)], dtype=torch.int64)
+        backend.broadcast(length, source)
+        body = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else None
+        if body is None:
+            body = torch.empty(int(length.item()), dtype=torch.uint8)
+        backend.broadcast(body, source)
+        meta: dict[str, Any] = json.loads(bytes(body.tolist()))
+        return meta
+
+    def _planes(self, i: int, role: int, planes: list[list[list[str]]]) -> list[torch.Tensor]:
+        """Entry ``i``'s tensors of one role, in plane order: the parameter
+        shard (or its copy), then its optimizer state shaped like it."""
+        e = self._entries[i]
+        if role == OWN:
+            state = self.optimizer.state.get(e.shard, {}) if self.optimizer else {}
+            first = e.shard.detach()
+        else:
+            state, first = self.copy_state[i], self.copies[i]
+        return [first, *(state[key] for key, _ in planes[i])]
+
+    def _move(
+        self,
+        backend: ElasticBackend,
+        pieces: list[Piece],
+        planes: list[list[list[str]]],
+        new: Layout,
+        me: int,
+    ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+        """Send and receive the pieces; the new layout's planes (own, copy)."""
+        dtypes = [
+            [e.shard.dtype, *(_DTYPES[d] for _, d in planes[i])]
+            for i, e in enumerate(self._entries)
+        ]
+
+        def fresh(role: int) -> list[list[torch.Tensor]]:
+            if role == COPY and new.copy_of(me) is None:
+                return [[] for _ in self._entries]
+            return [
+                [torch.zeros(new.shard_numel(e.numel), dtype=d) for d in dtypes[i]]
+                for i, e in enumerate(self._entries)
+            ]
+
+        out = {OWN: fresh(OWN), COPY: fresh(COPY)}
+        outgoing: dict[int, list[torch.Tensor]] = {}
+        incoming: dict[int, list[Piece]] = {}
+        for p in pieces:
+            if p.src == me:
+                sources = self._planes(p.entry, p.src_role, planes)
+                if p.dst == me:
+                    for src, dst in zip(sources, out[p.dst_role][p.entry], strict=True):
+                        dst[p.dst_lo : p.dst_lo + p.length] = src[p.src_lo : p.src_lo + p.length]
+                else:
+                    outgoing.setdefault(p.dst, []).extend(
+                        _bytes(src[p.src_lo : p.src_lo + p.length].contiguous()) for src in sources
+                    )
+            elif p.dst == me:
+                incoming.setdefault(p.src, []).append(p)
+        works: list[Work[Any]] = []
+        for peer, parts in outgoing.items():
+            flat = torch.cat(parts)
+            for lo in range(0, flat.numel(), MESSAGE_BYTES):
+                works.append(
+                    backend.send(flat[lo : lo + MESSAGE_BYTES], peer, MOVE_TAG, async_op=True)
+                )
+        for peer, got in sorted(incoming.items()):
+            size = sum(p.length * sum(d.itemsize for d in dtypes[p.entry]) for p in got)
+            into = torch.empty(size, dtype=torch.uint8)
+            for lo in range(0, size, MESSAGE_BYTES):
+                backend.recv(into[lo : lo + MESSAGE_BYTES], peer, MOVE_TAG)
+            offset = 0
+            for p in got:
+                for dtype, dst in zip(dtypes[p.entry], out[p.dst_role][p.entry], strict=True):
+                    n = p.length * dtype.itemsize
+                    dst[p.dst_lo : p.dst_lo + p.length] = into[offset : offset + n].view(dtype)
+                    offset += n
+        for work in works:
+            work.wait()
+        return out[OWN], out[COPY]
+
+    def _take(
+        self,
+        own: list[list[torch.Tensor]],
+        copy: list[list[torch.Tensor]],
+        planes: list[list[list[str]]],
+        scalars: list[dict[str, list[Any]]],
+        new: Layout,
+        me: int,
+    ) -> None:
+        """Make the new layout this process's: the shards' data (same
+        Parameter objects, so the optimizer still trains them), their
+        optimizer state, the copies and theirs."""
+
+        def state_of(i: int, tensors: list[torch.Tensor]) -> dict[str, Any]:
+            state: dict[str, Any] = {}
+            for (key, _), t in zip(planes[i], tensors[1:], strict=True):
+                state[key] = t
+            for key, (value, dtype) in scalars[i].items():
+                state[key] = value if dtype is None else torch.tensor(value, dtype=_DTYPES[dtype])
+            return state
+
+        with torch.no_grad():
+            for i, e in enumerate(self._entries):
+                e.shard.data = own[i][0]
+                e.shard.grad = None
+                if self.optimizer is not None:
+                    if planes[i] or scalars[i]:
+                        self.optimizer.state[e.shard] = state_of(i, own[i])
+                    else:
+                        self.optimizer.state.pop(e.shard, None)
+        self.copies = [c[0] if c else torch.empty(0) for c in copy]
+        self.copy_state = [state_of(i, c) if c else {} for i, c in enumerate(copy)]
+        self.layout, self.rank, self.holds = new, me, True
+        self._copy_grads = None
+        self._relayout(new.world, me)

@@ -1,0 +1,125 @@
+"""A rank program: elastic FSDP (units, Adam, float64), one JSON line per
+completed step, as elastic_train.py's for DDP (whose model, data and
+learning rates it shares).
+
+Each line adds the digests of this rank's shards and of the copy it keeps
+(``own``, ``copy``) and whose shard that copy is (``copy_of``): a copy must
+be bitwise equal to its owner's shard after every step.
+
+Environment: STEPS, WORLD, SLOW, PACE, OUT_DIR as elastic_train.py's;
+KILL_STEP, KILL_RANK and KILL_AT (``before`` the forward, ``forward``:
+inside the last unit's forward, ``backward``: halfway through backward),
+and KILL_FILE with FILE_KILL_RANK / FILE_KILL_AT for a later kill, as
+elastic_train.py's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+import ferrogrpc as fg
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from elastic_train import BATCH, _take, data, lr_at, model
+
+
+def _digest(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def main() -> None:
+    out_dir = os.environ["OUT_DIR"]
+    backend = fg.init_backend(elastic=True, min_world_size=int(os.environ.get("MIN_WORLD", "2")))
+    net = model().double()
+    fsdp = fg.FSDP(net, backend, units={nn.Linear})
+    opt = torch.optim.Adam(fsdp.parameters(), lr=1e-2)
+    state = fg.ElasticState(fsdp, opt, extra={"tag": "elastic-fsdp"})
+    print(json.dumps({"event": "start", "pid": os.getpid(), "t": time.time()}), flush=True)
+    try:
+        run(backend, fsdp, net, opt, state)
+    except fg.FerroGrpcError as exc:
+        print(
+            json.dumps({"event": "error", "type": type(exc).__name__, "error": str(exc)}),
+            flush=True,
+        )
+        backend.close()
+        sys.exit(3)
+    full = fsdp.full_state_dict()
+    torch.save(
+        {"params": [full[n].clone() for n, _ in net.named_parameters()], "step": state.step},
+        os.path.join(out_dir, f"final-{os.getpid()}.pt"),
+    )
+    print(json.dumps({"event": "done", "rank": backend.rank}), flush=True)
+    backend.close()
+
+
+def run(backend: Any, fsdp: Any, net: nn.Module, opt: Any, state: Any) -> None:
+    steps = int(os.environ.get("STEPS", "40"))
+    world = int(os.environ.get("WORLD", "4"))
+    slow = float(os.environ.get("SLOW", "0.2"))
+    pace = float(os.environ.get("PACE", "0"))
+    kill_step = int(os.environ.get("KILL_STEP", "-1"))
+    kill_rank = int(os.environ.get("KILL_RANK", "-1"))
+    kill_at = os.environ.get("KILL_AT", "before")
+    kill_file = os.environ.get("KILL_FILE", "")
+    file_rank = int(os.environ.get("FILE_KILL_RANK", str(kill_rank)))
+    file_at = os.environ.get("FILE_KILL_AT", "before")
+    last = net[-1]
+    for step in state.steps(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        x, y = data(step)
+        x, y = x.double(), y.double()
+        rank, size = backend.rank, backend.world_size
+        idx = list(range(rank, BATCH, size))
+        if kill_file and rank == file_rank and _take(kill_file):
+            kill_step, kill_rank, kill_at = step, file_rank, file_at
+        if step == kill_step and rank == kill_rank:
+            print(json.dumps({"event": "kill", "at": kill_at, "t": time.time()}), flush=True)
+            if kill_at == "before":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif kill_at == "forward":
+                last.register_forward_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
+            else:
+                net[0].weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(fsdp(x[idx]), y[idx])
+        loss.backward()
+        fsdp.sync_gradients()
+        opt.step()
+        if all(p.grad is None for p in fsdp.parameters()):
+            print(json.dumps({"event": "rerun", "step": step, "t": time.time()}), flush=True)
+            continue
+        shards = fsdp._elastic
+        line = {
+            "step": step,
+            "idx": idx,
+            "world": backend.world_size,
+            "rank": backend.rank,
+            "epoch": backend.membership.epoch,
+            "loss": loss.item(),
+            "own": _digest([p for p in fsdp.parameters()]),
+            "copy": _digest(shards.copies) if shards.copies else None,
+            "copy_of": shards.layout.copy_of(shards.rank),
+            "t": time.time(),
+        }
+        print(json.dumps(line), flush=True)
+        time.sleep(slow if backend.world_size < world else pace)
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)
