@@ -198,8 +198,8 @@ def gso_size(burst: int) -> int:
     train (about 45 us a frame in this VM, whose timers exit to the
     hypervisor). At 100 Mbit/s (a 16 KiB bucket) 200 KB each way cost about
     13 ms of CPU; with segments that fit the bucket, about 2 ms, at the
-    same rate (BENCHMARKS "The test bed's own cost at 100 Mbit/s"). A real
-    sender's NIC cuts segments in hardware, and a real receiver pays for
+    same rate (docs/benchmarks-history.md, "The test bed's own cost at 100
+    Mbit/s"). A real sender's NIC cuts segments in hardware, and a real receiver pays for
     its own frames only, not for the path's emulation. Its receiver does see
     a slow link's frames one at a time, though: a test of per-frame costs
     asks for :data:`FRAME`. tbf counts a segment's headers once per frame,

@@ -62,7 +62,7 @@ ABORT_WRITE_S = 0.5
 # ring collective (one on a long link costs its whole RTT: 50 ms a
 # collective at 50 ms). The cost is M - 1 tiny messages' hops on top of the
 # last chunk's, one per rank at a time (none in a world of 2);
-# BENCHMARKS.md, "End markers".
+# docs/benchmarks-history.md, "End markers".
 
 
 class LaneRunner:

@@ -138,12 +138,12 @@ def chunk_elems_for(chunk_bytes: int, itemsize: int) -> int:
 # segment. So across hosts, with the default chunk size, a segment gets at
 # least SEGMENT_CHUNKS chunks, none under LINK_CHUNK_MIN bytes: at world 4
 # on 1 Gbit/s that 16 MiB all_reduce went from 0.81-0.83x gloo to
-# 0.94-1.02x (BENCHMARKS.md, "Chunk size on a link"). The floor is 256 KiB:
+# 0.94-1.02x (docs/benchmarks-history.md, "Chunk size on a link"). The floor is 256 KiB:
 # on a slow link a chunk is a long wait (1 MiB is 84 ms at 100 Mbit/s), and
 # at 100 Mbit/s with a 50 ms round trip a 4 MiB all_reduce at world 4 went
 # from 0.86-0.89x gloo with a 1 MiB floor to 1.02-1.03x, 1 MiB at world 2
 # from 1.11x to 1.27-1.30x, with no change beyond the noise at 1 Gbit/s
-# (BENCHMARKS.md, "Ring collectives' fixed costs"). On one host (the gRPC
+# (docs/benchmarks-history.md, "Ring collectives' fixed costs"). On one host (the gRPC
 # path with shared memory off), where the CPU is the bottleneck, smaller
 # chunks cost per message instead, and the default stands.
 SEGMENT_CHUNKS = 4

@@ -16,8 +16,8 @@
   merge`` aligns across hosts with the offsets measured at start-up.
 
 What the observer costs a healthy run is the flight recorder's: one small
-object and three clock reads per collective (BENCHMARKS.md, "Observability
-overhead").
+object and three clock reads per collective (docs/benchmarks-history.md,
+"Observability overhead").
 """
 
 from __future__ import annotations

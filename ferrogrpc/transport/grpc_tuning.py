@@ -5,8 +5,8 @@
 On a link slower than the CPU, grpcio's reader wakes for every few
 packets that arrive: over 100 Mbit/s a 24 MB all_reduce at world 2 cost
 each rank 0.6-0.7 s of CPU (gloo: 0.16-0.2 s), a third of a core for the
-whole transfer, taken from the training loop (BENCHMARKS.md, "Slow
-links"). Two of grpc core's experiments remove that: ``tcp_frame_size_tuning``
+whole transfer, taken from the training loop (docs/benchmarks-history.md,
+"gRPC's read tuning"). Two of grpc core's experiments remove that: ``tcp_frame_size_tuning``
 tells the endpoint how many bytes the message being read still lacks, and
 ``tcp_rcv_lowat`` sets the socket's SO_RCVLOWAT to them, so the reader wakes
 once a message (a chunk, here) has arrived, not per packet. Together they

@@ -109,7 +109,7 @@ class LinkGauge:
     117-140 MB/s) and not the second (250 MB/s), with room for noise. A
     fast link whose receivers are short of CPU also makes writes wait, but
     far less: at 10 Gbit/s beside two CPU burners they ran at 480 MB/s
-    (BENCHMARKS.md, "Packed chunks").
+    (docs/benchmarks-history.md, "Packed chunks").
     """
 
     SLOWER_THAN = 0.25
