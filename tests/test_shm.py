@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 import ferrogrpc as fg
 from ferrogrpc.samehost import plane as local
@@ -341,3 +342,131 @@ async def test_close_closes_every_same_host_socket_at_once() -> None:
     open_after = [s for s in socks if s.fileno() >= 0]
     assert not open_after, open_after
     assert all(plane is not None and plane.fd == -1 for plane in planes)  # the segments too
+
+
+# Issue 56 items 24-25: a rank whose collective fails on the same-host plane
+# tells its host's other ranks through the plane itself (an ABORT signal),
+# at once. Its reports over gRPC are held back here (they would reach the
+# others as fast on one machine), so that only the plane can tell them.
+FAULTS: dict[str, type[Exception]] = {"found": fg.ProtocolError, "torch": RuntimeError}
+
+
+def _injected(kind: str, at: list[float]) -> Exception:
+    at.append(time.monotonic())
+    if FAULTS[kind] is fg.ProtocolError:
+        return fg.ProtocolError("injected: rank 1 found bad data", rank=1)
+    return RuntimeError("injected: a torch error on rank 1")
+
+
+def _hold_grpc_reports(peer: fg.Peer) -> None:
+    async def held(dst: int, message: bytes, timeout: float) -> None:
+        pass  # never delivered
+
+    peer._ctx.transport.send_abort = held  # type: ignore[method-assign]
+
+
+async def _fail_on_rank_1(peers: list[fg.Peer], numel: int) -> tuple[list[Any], list[float]]:
+    """Every rank's all_reduce of ``numel`` ones: its error (or result) and
+    when it ended."""
+    _hold_grpc_reports(peers[1])
+
+    async def one(peer: fg.Peer) -> tuple[Any, float]:
+        try:
+            result: Any = await peer.all_reduce(torch.ones(numel))
+        except fg.FerroGrpcError as exc:
+            result = exc
+        except RuntimeError as exc:  # (rank 1's own error, where it raises it as it is)
+            result = exc
+        return result, time.monotonic()
+
+    async with asyncio.timeout(30):
+        ended = await asyncio.gather(*(one(p) for p in peers))
+    return [r for r, _ in ended], [t for _, t in ended]
+
+
+def _assert_told_through_the_plane(
+    peers: list[fg.Peer], results: list[Any], ended: list[float], at: list[float], host: list[int]
+) -> None:
+    assert len(at) == 1, at
+    for r in host:
+        err = results[r]
+        assert isinstance(err, fg.FerroGrpcError), (r, err)
+        assert "rank 1 reported" in str(err) and "injected" in str(err), (r, err)
+        assert ended[r] - at[0] < 1.0, (r, ended[r] - at[0], err)
+        plane = peers[r]._plane
+        assert plane is not None and plane.failed is not None, r
+        assert "rank 1 reported" in str(plane.failed), (r, plane.failed)
+    for r, res in enumerate(results):
+        assert isinstance(res, Exception), (r, res)  # nobody returns a result
+
+
+TIMEOUTS = fg.Timeouts(collective=15, idle=8, connect=20)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+async def test_a_shared_memory_collective_failing_mid_round_aborts_the_plane(
+    fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 56 item 24: rank 1 fails between two rounds of an all-reduce
+    # through the shared segments (at its second "written" signal).
+    monkeypatch.setattr(local, "SLOT_BYTES", 4096)
+    armed, at, written = [False], [], [0]
+    send = local.LocalPlane.send
+
+    def faulty(self: local.LocalPlane, kind: int, arg: int, payload: bytes = b"") -> None:
+        if armed[0] and self.me is not None and self.me.rank == 1 and kind == local.WRITTEN:
+            written[0] += 1
+            if written[0] == 2:
+                raise _injected(fault, at)
+        send(self, kind, arg, payload)
+
+    monkeypatch.setattr(local.LocalPlane, "send", faulty)
+    async with fg.testing.local_group(3, transport="shm", timeouts=TIMEOUTS) as peers:
+        armed[0] = True
+        results, ended = await _fail_on_rank_1(peers, 1 << 17)
+        _assert_told_through_the_plane(peers, results, ended, at, [0, 2])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+@pytest.mark.parametrize("path", ["direct", "one exchange"])
+async def test_a_small_collective_failing_on_shared_memory_aborts_the_plane(
+    path: str, fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 56 item 25: rank 1 fails before its first message of a small
+    # all-reduce: on one host's direct sockets (direct.py), and in one
+    # exchange where a host's ranks meet on its plane and another host's
+    # over gRPC (one_exchange.py). Its host's other ranks wait for that
+    # message; the plane's abort must end the wait.
+    from ferrogrpc.algorithms import direct
+
+    armed, at = [False], []
+    if path == "direct":
+        dsend = direct.Direct._send
+
+        def faulty_direct(self: direct.Direct, job: Any, dst: int, *rest: Any) -> None:
+            if armed[0] and self.me.rank == 1:
+                raise _injected(fault, at)
+            dsend(self, job, dst, *rest)
+
+        monkeypatch.setattr(direct.Direct, "_send", faulty_direct)
+        hosts = None
+    else:
+        small = local.LocalPlane.send_small
+
+        def faulty_small(self: local.LocalPlane, rank: int, *rest: Any) -> None:
+            if armed[0] and self.me is not None and self.me.rank == 1:
+                raise _injected(fault, at)
+            small(self, rank, *rest)
+
+        monkeypatch.setattr(local.LocalPlane, "send_small", faulty_small)
+        hosts = ["a", "a", "a", "b"]  # rank 3: another host
+    world = 3 if hosts is None else len(hosts)
+    options: dict[str, Any] = {"hosts": hosts} if hosts else {}
+    async with fg.testing.local_group(
+        world, transport="shm", timeouts=TIMEOUTS, **options
+    ) as peers:
+        armed[0] = True
+        results, ended = await _fail_on_rank_1(peers, 10)
+        _assert_told_through_the_plane(peers, results, ended, at, [0, 2])

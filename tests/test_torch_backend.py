@@ -168,3 +168,56 @@ def test_destroy_then_init_again_three_times_in_one_process() -> None:
             for i in range(3):
                 assert f"OK {how} {i}" in out, (rank, how, i, out)
         assert "DONE" in out, (rank, out)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shm", [True, False], ids=["same-host", "tcp-mesh"])
+def test_on_a_broken_group_every_op_returns_a_work_whose_wait_raises(shm: bool) -> None:
+    # Issue 56 item 26. Rank 1 closes; rank 0's next all_reduce fails naming
+    # it, and its group is broken. Each op torch's API calls on the process
+    # group then returns a Work whose wait() raises that failure, as gloo's
+    # does; none raises at the call (a small all_reduce, which would run in
+    # the caller's thread, least of all).
+    import torch.distributed as dist
+
+    from ferrogrpc.wrappers.process_group import FerroProcessGroup
+    from tests.helpers import backends
+
+    group = backends(2, shm=shm)
+    try:
+        pg = FerroProcessGroup(group[0], 0, 2)
+        group[1].close()
+        with pytest.raises(fg.PeerError):
+            group[0].all_reduce(torch.ones(4))
+        assert fg.testing.broken(group[0]) is not None
+        t = torch.ones(4)
+        ops = {
+            "allreduce": lambda: pg.allreduce([t], dist.AllreduceOptions()),
+            "allreduce (two tensors)": lambda: pg.allreduce([t, t.clone()]),
+            "allreduce_coalesced": lambda: pg.allreduce_coalesced([t, t.clone()]),
+            "broadcast": lambda: pg.broadcast([t], dist.BroadcastOptions()),
+            "reduce": lambda: pg.reduce([t], dist.ReduceOptions()),
+            "allgather": lambda: pg.allgather([[torch.empty(4), torch.empty(4)]], [t], None),
+            "_allgather_base": lambda: pg._allgather_base(torch.empty(8), t),
+            "reduce_scatter": lambda: pg.reduce_scatter(
+                [torch.empty(4)], [[t, t.clone()]], dist.ReduceScatterOptions()
+            ),
+            "_reduce_scatter_base": lambda: pg._reduce_scatter_base(
+                torch.empty(4), torch.ones(8), dist.ReduceScatterOptions()
+            ),
+            "alltoall_base": lambda: pg.alltoall_base(torch.empty(4), torch.ones(4), [], []),
+            "barrier": lambda: pg.barrier(dist.BarrierOptions()),
+            "send": lambda: pg.send([t], 1, 0),
+            "recv": lambda: pg.recv([t], 1, 0),
+            "recv_anysource": lambda: pg.recv_anysource([t], 0),
+        }
+        for name, call in ops.items():
+            work = call()  # must not raise
+            with pytest.raises(fg.PeerError) as info:
+                work.wait()
+            assert info.value.peer == 1, (name, info.value)
+            assert "broken by an earlier failure" in str(info.value), (name, info.value)
+            assert work.is_completed() and not work.is_success(), name
+    finally:
+        for b in group:
+            b.close()

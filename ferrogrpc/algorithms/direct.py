@@ -227,9 +227,20 @@ class Direct:
         # A wire dtype applies to bytes that leave the host (one_exchange.py
         # rounds alike): on the TCP mesh, not on one host's sockets.
         wire = job.wire if self.plane.between_hosts else None
-        outgoing, expect = plan(job, me.rank, world, wire)
-        got = self._exchange(job, outgoing, expect, wire)
-        return finish(job, me.rank, world, got, wire)
+        try:
+            outgoing, expect = plan(job, me.rank, world, wire)
+            got = self._exchange(job, outgoing, expect, wire)
+            return finish(job, me.rank, world, got, wire)
+        except (FerroGrpcError, DeadlinePassedError):
+            raise
+        except Exception as exc:
+            # The engine settles only a FerroGrpcError (it aborts the plane
+            # and breaks the group): anything else (a torch error, a
+            # MemoryError) left the other ranks waiting for this rank's
+            # message until the collective deadline (issue 56 item 25).
+            raise me.error(
+                PeerError, f"internal failure: {exc!r}", op=job.name, seq=job.seq
+            ) from exc
 
     def on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait for it (from another thread)."""

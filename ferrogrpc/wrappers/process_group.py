@@ -56,6 +56,7 @@ NAME = "ferrogrpc"
 MONITOR_TAG = 0xFE57B000
 
 T = TypeVar("T")
+_Make = Callable[[], Coroutine[Any, Any, Any]]  # a Peer's call, made when the op is issued
 _INIT_KEYS = {
     "timeouts",
     "chunk_policy",
@@ -225,15 +226,37 @@ class FerroProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------ works
 
-    def _run(self, name: str, coro: Coroutine[Any, Any, T]) -> Any:
+    def _run(self, name: str, make: _Make) -> Any:
+        """``make()`` run on the backend's loop (see :meth:`_issue`)."""
+        coro = self._issue(name, make)
+        if isinstance(coro, FerroWork):
+            return coro
         work = self.backend.submit(coro, name, True)
         assert isinstance(work, Work)
         return FerroWork(work)
 
-    def _now_or_run(self, name: str, coro: Coroutine[Any, Any, Any], value: Any) -> Any:
+    def _issue(self, name: str, make: _Make) -> Coroutine[Any, Any, Any] | FerroWork:
+        """``make()``, the Peer's call (its argument checks, and the op's
+        number, in the caller's order). On a broken group it raises at once:
+        torch gets a failed Work instead, raised by ``wait()`` as gloo's is,
+        not by the call. Argument errors still raise here."""
+        try:
+            return make()
+        except FerroGrpcError as exc:
+            if self.backend.peer._life.broken is None:
+                raise
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            future.set_exception(exc)
+            return FerroWork(Work(future, name))
+
+    def _now_or_run(self, name: str, make: _Make, value: Any) -> Any:
         """A small collective on one host whose turn it is runs now, in this
         thread (direct.py), and torch gets a completed Work (its error, if
-        any, raised by ``wait()``); any other runs on the backend's loop."""
+        any, raised by ``wait()``); any other runs on the backend's loop.
+        ``make`` is the Peer's call (see :meth:`_issue`)."""
+        coro = self._issue(name, make)
+        if isinstance(coro, FerroWork):
+            return coro
         if isinstance(coro, Call):
             future: concurrent.futures.Future[Any] = concurrent.futures.Future()
             try:
@@ -244,13 +267,7 @@ class FerroProcessGroup(dist.ProcessGroup):
             if done:
                 future.set_result(value)
                 return FerroWork(Work(future, name))
-        return self._run(name, _returning(coro, value))
-
-    def _peer_call(self, name: str, make: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
-        async def run() -> Any:
-            return await make()
-
-        return self._run(name, run())
+        return self._run(name, lambda: _returning(coro, value))
 
     # ----------------------------------------------------------- checks
 
@@ -291,13 +308,18 @@ class FerroProcessGroup(dist.ProcessGroup):
         op = opts.reduceOp if opts is not None else "sum"
         peer = self.backend.peer
         if len(tensors) == 1:
-            return self._now_or_run("all_reduce", peer.all_reduce(tensors[0], op), tensors)
-        return self._run("all_reduce", _returning(peer.all_reduce_coalesced(tensors, op), tensors))
+            return self._now_or_run("all_reduce", lambda: peer.all_reduce(tensors[0], op), tensors)
+        return self._run(
+            "all_reduce", lambda: _returning(peer.all_reduce_coalesced(tensors, op), tensors)
+        )
 
     def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> Any:
         op = opts.reduceOp if opts is not None else "sum"
-        coro = self.backend.peer.all_reduce_coalesced(tensors, op)
-        return self._run("all_reduce_coalesced", _returning(coro, tensors))
+        peer = self.backend.peer
+        return self._run(
+            "all_reduce_coalesced",
+            lambda: _returning(peer.all_reduce_coalesced(tensors, op), tensors),
+        )
 
     def broadcast(self, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
         root = opts.rootRank
@@ -308,7 +330,7 @@ class FerroProcessGroup(dist.ProcessGroup):
                 await peer.broadcast(t, root)
             return list(tensors)
 
-        return self._run("broadcast", run())
+        return self._run("broadcast", run)
 
     def reduce(self, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
         # Every rank gets the result; torch leaves non-root tensors unspecified.
@@ -319,7 +341,7 @@ class FerroProcessGroup(dist.ProcessGroup):
                 await peer.all_reduce(t, opts.reduceOp)
             return list(tensors)
 
-        return self._run("reduce", run())
+        return self._run("reduce", run)
 
     def allgather(
         self, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor], opts: Any
@@ -339,7 +361,7 @@ class FerroProcessGroup(dist.ProcessGroup):
                     o.copy_(p)
             return outputs
 
-        return self._run("all_gather", run())
+        return self._run("all_gather", run)
 
     def allgather_coalesced(
         self, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor], opts: Any
@@ -360,11 +382,13 @@ class FerroProcessGroup(dist.ProcessGroup):
                     outputs[r][i].copy_(p)
             return outputs
 
-        return self._run("all_gather_coalesced", run())
+        return self._run("all_gather_coalesced", run)
 
     def _allgather_base(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
-        coro = self.backend.peer.all_gather_into_tensor(out, inp)
-        return self._now_or_run("all_gather_into_tensor", coro, out)
+        peer = self.backend.peer
+        return self._now_or_run(
+            "all_gather_into_tensor", lambda: peer.all_gather_into_tensor(out, inp), out
+        )
 
     all_gather_single = _allgather_base
 
@@ -380,7 +404,7 @@ class FerroProcessGroup(dist.ProcessGroup):
                 await peer.all_gather_into_tensor(out, t)
             return outputs
 
-        return self._run("all_gather_into_tensor", run())
+        return self._run("all_gather_into_tensor", run)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -401,11 +425,15 @@ class FerroProcessGroup(dist.ProcessGroup):
                 await peer.reduce_scatter_tensor(out, flat.view(-1), opts.reduceOp)
             return outputs
 
-        return self._run("reduce_scatter", run())
+        return self._run("reduce_scatter", run)
 
     def _reduce_scatter_base(self, out: torch.Tensor, inp: torch.Tensor, opts: Any) -> Any:
-        coro = self.backend.peer.reduce_scatter_tensor(out, inp, opts.reduceOp)
-        return self._now_or_run("reduce_scatter_tensor", coro, out)
+        peer = self.backend.peer
+        return self._now_or_run(
+            "reduce_scatter_tensor",
+            lambda: peer.reduce_scatter_tensor(out, inp, opts.reduceOp),
+            out,
+        )
 
     reduce_scatter_single = _reduce_scatter_base
 
@@ -421,7 +449,7 @@ class FerroProcessGroup(dist.ProcessGroup):
                 await peer.reduce_scatter_tensor(out, t, opts.reduceOp)
             return outputs
 
-        return self._run("reduce_scatter_tensor", run())
+        return self._run("reduce_scatter_tensor", run)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -446,7 +474,7 @@ class FerroProcessGroup(dist.ProcessGroup):
                     o.copy_(p)
             return outputs
 
-        return self._run("gather", run())
+        return self._run("gather", run)
 
     def scatter(
         self, outputs: Sequence[torch.Tensor], inputs: Sequence[Sequence[torch.Tensor]], opts: Any
@@ -473,7 +501,7 @@ class FerroProcessGroup(dist.ProcessGroup):
             out.copy_(buf[me])
             return outputs
 
-        return self._run("scatter", run())
+        return self._run("scatter", run)
 
     def alltoall(
         self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], opts: Any = None
@@ -502,7 +530,7 @@ class FerroProcessGroup(dist.ProcessGroup):
                 at += t.numel()
             return outputs
 
-        return self._run("all_to_all", run())
+        return self._run("all_to_all", run)
 
     def alltoall_base(
         self,
@@ -512,15 +540,18 @@ class FerroProcessGroup(dist.ProcessGroup):
         in_splits: Sequence[int],
         opts: Any = None,
     ) -> Any:
-        coro = self.backend.peer.all_to_all_single(
-            out, inp, list(out_splits) or None, list(in_splits) or None
+        peer = self.backend.peer
+        return self._run(
+            "all_to_all",
+            lambda: peer.all_to_all_single(
+                out, inp, list(out_splits) or None, list(in_splits) or None
+            ),
         )
-        return self._run("all_to_all", coro)
 
     all_to_all_single = alltoall_base
 
     def barrier(self, opts: Any = None) -> Any:
-        return self._now_or_run("barrier", self.backend.peer.barrier(), None)
+        return self._now_or_run("barrier", self.backend.peer.barrier, None)
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         """gloo's monitored barrier: every other rank reports to rank 0 and
@@ -584,16 +615,21 @@ class FerroProcessGroup(dist.ProcessGroup):
     # ---------------------------------------------------- point to point
 
     def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int = 0) -> Any:
-        return self._run("send", self.backend.peer.send(tensors[0], dst, tag))
+        peer = self.backend.peer
+        return self._run("send", lambda: peer.send(tensors[0], dst, tag))
 
     def recv(self, tensors: Sequence[torch.Tensor], src: int, tag: int = 0) -> Any:
-        return self._run("recv", self.backend.peer.recv(tensors[0], src, tag))
+        peer = self.backend.peer
+        return self._run("recv", lambda: peer.recv(tensors[0], src, tag))
 
     def recv_anysource(self, tensors: Sequence[torch.Tensor], tag: int = 0) -> Any:
         """``dist.recv(t)`` with no ``src``: the next message with ``tag``
         from any rank; the Work's ``_source_rank()`` names the sender, as
         gloo's does."""
-        sender = self.backend.peer.recv_any(tensors[0], tag)
+        peer = self.backend.peer
+        sender = self._issue("recv", lambda: peer.recv_any(tensors[0], tag))
+        if isinstance(sender, FerroWork):
+            return sender
         work = self.backend.submit(sender, "recv", True)
         assert isinstance(work, Work)
         return _SourceWork(work, tensors)
