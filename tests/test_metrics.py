@@ -495,26 +495,38 @@ def test_byte_counters_keep_every_retired_epochs_bytes() -> None:
     # Issue 56 item 19: an elastic member's rank in one process over three
     # epochs (an observer each, closed in turn): its place on the metrics
     # server keeps the bytes of both retired epochs, and adds the live one's.
+    # (Counted from what the place held when the first epoch took it: a
+    # place another test's rank retired from may be taken.)
     settings = Settings(metrics_port=0)
     release = metrics.hold(settings)
     observers: list[Observer] = []
+    places: list[metrics.RankMetrics] = []
     try:
         for epoch, (sent, received) in enumerate(((100, 7), (20, 3000), (3, 40000))):
             if observers:
                 observers[-1].close()
             observer = Observer(Identity(epoch % 2, 2, ["h:0", "h:1"]))
             observers.append(observer)
-            assert metrics.attach(observer, settings) is not None
+            server = metrics.attach(observer, settings)
+            assert server is not None
+            places += [s for s in server.ranks if s.stats is observer.stats]
+            if epoch == 0:
+                base_sent, base_received = places[0].bytes_by()
             observer.stats.sent(1 - epoch % 2, sent)
             observer.stats.received(1 - epoch % 2, received, path=TCP_MESH)
             if epoch == 1:
                 observer.stats.sent(1 - epoch % 2, 5, path=TCP_MESH)
-        server = metrics.server_of(observers[-1])
-        assert server is not None
-        (slot,) = [s for s in server.ranks if s.stats is observers[-1].stats]
+        slot = places[0]
+        assert places == [slot] * 3, "each epoch takes the last one's place"
+        mine_sent = {("grpc", 1): 100 + 3, ("grpc", 0): 20, (TCP_MESH, 0): 5}
+        mine_received = {(TCP_MESH, 1): 7 + 40000, (TCP_MESH, 0): 3000}
         sent_by, received_by = slot.bytes_by()
-        assert sent_by == {("grpc", 1): 100 + 3, ("grpc", 0): 20, (TCP_MESH, 0): 5}, sent_by
-        assert received_by == {(TCP_MESH, 1): 7 + 40000, (TCP_MESH, 0): 3000}, received_by
+        for got, base, mine in (
+            (sent_by, base_sent, mine_sent),
+            (received_by, base_received, mine_received),
+        ):
+            delta = {k: n - base.get(k, 0) for k, n in got.items() if n != base.get(k, 0)}
+            assert delta == mine, (got, base)
         observers[-1].close()  # the third retires too: nothing lost
         assert slot.bytes_by() == (sent_by, received_by)
     finally:
