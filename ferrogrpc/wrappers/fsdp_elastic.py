@@ -128,7 +128,12 @@ class ElasticShards:
         changed while it ran): it is re-run over the new group."""
 
         def attempt() -> Callable[[], None]:
-            grads = reduce()
+            try:
+                grads = reduce()
+            except FerroGrpcError:
+                if self.void is not None:  # the first failure names the lost rank
+                    raise self.void from None
+                raise
             if self.void is not None:
                 raise self.void
             copy_grads = self._hand_over(grads)

@@ -5,12 +5,14 @@ communication, testable without a group). See [Note: shards held twice].
 [Note: shards held twice]
 In an elastic group, FSDP keeps every shard on two ranks: its owner, which
 trains it, and a *buddy*, which keeps a copy of it and of its optimizer
-state. The buddy is the next rank, in rank order, on another host (the
-next rank at all on a single host). At each gradient sync every owner
-hands its reduced gradient shard to its buddy, and once the sync is
-committed (through the coordinator, as elastic DDP's) the buddy applies
-the same optimizer step to its copy, with the same optimizer: owner and
-copy stay bitwise equal, and a copy is never older than a committed step.
+state. Buddies are ranks a fixed number of places apart, the number that
+puts the most of them on another host than their owner (the next rank on
+a single host), so that each rank keeps exactly one copy. At each
+gradient sync every owner hands its reduced gradient shard to its buddy,
+and once the sync is committed (through the coordinator, as elastic
+DDP's) the buddy applies the same optimizer step to its copy, with the
+same optimizer: owner and copy stay bitwise equal, and a copy is never
+older than a committed step.
 
 When the group changes (a member lost, or joiners admitted), every member
 computes the same plan: for each parameter and each rank of the new
@@ -41,24 +43,29 @@ class Layout:
     world: int
     hosts: tuple[str, ...]
 
+    def offset(self) -> int:
+        """Every rank's buddy is the rank this many places after it: the
+        offset that puts the most buddies on another host (the smallest of
+        those), so that each rank keeps exactly one copy."""
+        if len(self.hosts) != self.world:
+            return 1
+
+        def away(d: int) -> int:
+            return sum(self.hosts[k] != self.hosts[(k + d) % self.world] for k in range(self.world))
+
+        return max(range(1, self.world), key=lambda d: (away(d), -d))
+
     def buddy(self, rank: int) -> int | None:
-        """The rank keeping ``rank``'s copy: the next on another host, else
-        the next; None alone."""
+        """The rank keeping ``rank``'s copy (None alone)."""
         if self.world < 2:
             return None
-        others = [(rank + k) % self.world for k in range(1, self.world)]
-        if len(self.hosts) == self.world:
-            away = [r for r in others if self.hosts[r] != self.hosts[rank]]
-            if away:
-                return away[0]
-        return others[0]
+        return (rank + self.offset()) % self.world
 
     def copy_of(self, rank: int) -> int | None:
         """Whose shard ``rank`` keeps a copy of (the inverse of buddy)."""
-        for owner in range(self.world):
-            if owner != rank and self.buddy(owner) == rank:
-                return owner
-        return None
+        if self.world < 2:
+            return None
+        return (rank - self.offset()) % self.world
 
     def shard_numel(self, numel: int) -> int:
         return -(-numel // max(1, self.world))

@@ -7,10 +7,11 @@ Each line adds the digests of this rank's shards and of the copy it keeps
 be bitwise equal to its owner's shard after every step.
 
 Environment: STEPS, WORLD, SLOW, PACE, OUT_DIR as elastic_train.py's;
-KILL_STEP, KILL_RANK and KILL_AT (``before`` the forward, ``forward``:
-inside the last unit's forward, ``backward``: halfway through backward),
-and KILL_FILE with FILE_KILL_RANK / FILE_KILL_AT for a later kill, as
-elastic_train.py's.
+KILLS: kills, comma-separated, each ``AT@RANK`` (AT: ``before`` the
+forward, ``forward``: inside the last unit's forward, ``backward``: halfway
+through backward): the i-th happens at the first step at which the file
+``kill-i`` exists in OUT_DIR, on the process that has RANK then (it takes
+the file, so only one process does).
 """
 
 from __future__ import annotations
@@ -70,12 +71,8 @@ def run(backend: Any, fsdp: Any, net: nn.Module, opt: Any, state: Any) -> None:
     world = int(os.environ.get("WORLD", "4"))
     slow = float(os.environ.get("SLOW", "0.2"))
     pace = float(os.environ.get("PACE", "0"))
-    kill_step = int(os.environ.get("KILL_STEP", "-1"))
-    kill_rank = int(os.environ.get("KILL_RANK", "-1"))
-    kill_at = os.environ.get("KILL_AT", "before")
-    kill_file = os.environ.get("KILL_FILE", "")
-    file_rank = int(os.environ.get("FILE_KILL_RANK", str(kill_rank)))
-    file_at = os.environ.get("FILE_KILL_AT", "before")
+    kills = [k.split("@") for k in os.environ.get("KILLS", "").split(",") if k]
+    out_dir = os.environ["OUT_DIR"]
     last = net[-1]
     for step in state.steps(steps):
         for group in opt.param_groups:
@@ -84,9 +81,15 @@ def run(backend: Any, fsdp: Any, net: nn.Module, opt: Any, state: Any) -> None:
         x, y = x.double(), y.double()
         rank, size = backend.rank, backend.world_size
         idx = list(range(rank, BATCH, size))
-        if kill_file and rank == file_rank and _take(kill_file):
-            kill_step, kill_rank, kill_at = step, file_rank, file_at
-        if step == kill_step and rank == kill_rank:
+        kill_at = next(
+            (
+                at
+                for i, (at, who) in enumerate(kills)
+                if int(who) == rank and _take(os.path.join(out_dir, f"kill-{i}"))
+            ),
+            None,
+        )
+        if kill_at is not None:
             print(json.dumps({"event": "kill", "at": kill_at, "t": time.time()}), flush=True)
             if kill_at == "before":
                 os.kill(os.getpid(), signal.SIGKILL)
