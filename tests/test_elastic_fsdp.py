@@ -130,3 +130,34 @@ def test_a_rank_killed_before_a_forward_inside_one_and_inside_backward_loses_no_
         )
         assert after is not None
         report(f"elastic FSDP, SIGKILL {kill['at']}: next step done {after - kill['t']:.2f}s after")
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_lost_with_its_copy_is_a_named_error_on_every_survivor(
+    tmp_path: Path, report: Callable[[str], None]
+) -> None:
+    # On one host the buddy of rank k is k + 1: ranks 1 and 2 killed at once
+    # take shard 1 and its only copy. Ranks 0 and 3 (a quorum of 2) must
+    # raise ShardLostError naming them, not hang and not go on corrupt.
+    run = FsdpRun(tmp_path, 4, STEPS="400", SLOW="0.05", PACE="0.05", KILLS="before@1,before@2")
+    try:
+        run.wait_for(lambda: [d for d in run.lines() if d.get("step", 0) >= 3], 60, "no steps")
+        (tmp_path / "kill-0").touch()
+        (tmp_path / "kill-1").touch()
+        kills = run.wait_for(
+            lambda: len(k := [d for d in run.lines() if d.get("event") == "kill"]) == 2 and k,
+            30,
+            "no kills",
+        )
+        codes = run.finish(60)
+    finally:
+        run.close()
+    assert sorted(codes) == [-signal.SIGKILL, -signal.SIGKILL, 3, 3], (codes, run.output())
+    errors = [d for d in run.lines() if d.get("event") == "error"]
+    assert len(errors) == 2, run.output()
+    for d in errors:
+        assert d["type"] == "ShardLostError", d
+        assert d["lost"] == [1, 2] and d["shards"] == [1], d
+    after = max(d["t"] for d in errors) - max(k["t"] for k in kills)
+    report(f"elastic FSDP, a shard and its copy lost: every survivor raised {after:.2f}s after")
+    assert after <= 10.0

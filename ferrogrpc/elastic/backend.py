@@ -38,6 +38,7 @@ from ..errors import (
     PeerError,
     QuorumLostError,
     RendezvousError,
+    ShardLostError,
 )
 from ..observe import metrics
 from ..runtime.backend import Backend, prepare
@@ -50,6 +51,9 @@ from ..v1 import rendezvous_pb2 as rpb
 from .epoch import GroupState, Membership, Resharder, Settling, StartFailed, removal, start_peer
 
 logger = logging.getLogger("ferrogrpc.elastic")
+
+# What no new epoch mends: raised, never recovered from.
+FATAL = (QuorumLostError, ConfigError, ShardLostError)
 
 
 class ElasticBackend:
@@ -230,7 +234,8 @@ class ElasticBackend:
             self._loop,
         )
         try:
-            peer = starting.result(timeout=s.timeouts.connect + 30)
+            # A joiner may wait as a hot spare: its Enter bounds its own wait.
+            peer = starting.result(None if reason == rpb.ENTER_JOIN else s.timeouts.connect + 30)
         except BaseException as exc:
             starting.cancel()
             with contextlib.suppress(BaseException):
@@ -366,7 +371,7 @@ class ElasticBackend:
             logger.info("rank %d of the last epoch joined again as rank %d", was, self.rank)
         try:
             self._settle()
-        except (QuorumLostError, ConfigError):
+        except FATAL:
             raise
         except FerroGrpcError as exc:
             raise Settling(exc, rejoined) from exc
@@ -425,7 +430,7 @@ class ElasticBackend:
         self._enter(rpb.ENTER_JOIN)
         try:
             self._settle()
-        except (QuorumLostError, ConfigError):
+        except FATAL:
             raise
         except FerroGrpcError as exc:
             self.recover(exc)
@@ -525,7 +530,7 @@ class ElasticBackend:
                 self._enter(rpb.ENTER_GROW)
                 if self._settle() > 2 * self._step:
                     return received
-            except (QuorumLostError, ConfigError):
+            except FATAL:
                 raise
             except FerroGrpcError as exc:
                 if self._closed:
@@ -564,7 +569,7 @@ class ElasticBackend:
                     + ("run again" if rerun else "redone with the survivors"),
                     rank=self.rank,
                 )
-            except (QuorumLostError, ConfigError):
+            except FATAL:
                 raise
             except FerroGrpcError as exc:
                 cause = exc

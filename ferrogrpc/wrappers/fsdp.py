@@ -20,6 +20,7 @@ from ..runtime.work import Work
 from .fingerprint import check_same_model
 from .fsdp_elastic import ElasticShards
 from .fsdp_plan import ShardedParam, Units, plan_units, unit_matcher
+from .fsdp_reshard import Layout
 from .fsdp_units import UnitRuntime
 
 # The key of the metadata entry in a sharded state dict.
@@ -152,7 +153,13 @@ class FSDP(nn.Module):
         self._entries: list[ShardedParam] = []
         self._gathered = False
         self._released = False
-        fulls: list[torch.Tensor] = []
+        # In an elastic group: the shard whose copy this rank keeps, cut as
+        # its own are ([Note: shards held twice]).
+        copies: list[torch.Tensor] = []
+        owner: int | None = None
+        if elastic is not None and not joining:
+            m = elastic.membership
+            owner = Layout(m.epoch, m.world_size, m.hosts).copy_of(self._rank)
         for name, p in named:
             numel = p.numel()
             shard_numel = -(-numel // self._world) if not joining else 0
@@ -164,16 +171,17 @@ class FSDP(nn.Module):
             shard = nn.Parameter(data, requires_grad=p.requires_grad)
             self._entries.append(ShardedParam(name, p, shard, p.shape, numel, shard_numel))
             if elastic is not None:
-                fulls.append(p.detach().clone())
+                copy = torch.zeros(shard_numel, dtype=p.dtype, device=p.device)
+                if owner is not None:
+                    lo = min(owner * shard_numel, numel)
+                    hi = min(lo + shard_numel, numel)
+                    copy[: hi - lo] = flat[lo:hi]
+                copies.append(copy)
             _free(p)
-        # In an elastic group: the copies this rank keeps, and the re-shard
-        # at every change of epoch ([Note: shards held twice]).
+        # The re-shard at every change of epoch.
         self._elastic: ElasticShards | None = None
         if elastic is not None:
-            self._elastic = ElasticShards(self._entries, elastic, self._relayout)
-            if not joining:
-                self._elastic.cut_copies(fulls)
-        del fulls
+            self._elastic = ElasticShards(self._entries, elastic, self._relayout, copies)
         tolerate = self._elastic.failed if self._elastic is not None else None
         self._units: UnitRuntime | None = None
         if plans is not None:

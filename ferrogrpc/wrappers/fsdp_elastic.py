@@ -59,13 +59,15 @@ class ElasticShards:
     steps it with the owner's gradient, and re-shards at every new epoch.
 
     ``relayout(world, rank)`` is FSDP's own update once a layout takes
-    effect (the shards' sizes changed; their Parameter objects did not)."""
+    effect (the shards' sizes changed; their Parameter objects did not);
+    ``copies`` are the first epoch's (FSDP cuts them as it cuts shards)."""
 
     def __init__(
         self,
         entries: Sequence[ShardedParam],
         backend: ElasticBackend,
         relayout: Callable[[int, int], None],
+        copies: list[torch.Tensor],
     ) -> None:
         self._entries = list(entries)
         self._backend = backend
@@ -75,7 +77,8 @@ class ElasticShards:
         m = backend.membership
         self.layout = Layout(m.epoch, m.world_size, m.hosts) if self.holds else Layout(0, 0, ())
         self.rank = backend.rank if self.holds else -1
-        self.copies: list[torch.Tensor] = []
+        # The copy this rank keeps (of Layout.copy_of's shard), per entry.
+        self.copies = copies if self.holds and self.layout.world > 1 else []
         self.copy_state: list[dict[str, Any]] = [{} for _ in self._entries]
         # Set by a hook when a collective of this step failed: the step is
         # void, re-run over the next epoch (ElasticBackend.run_sync).
@@ -84,19 +87,6 @@ class ElasticShards:
         self._stepping = False
         self.last_move: dict[str, float] | None = None
         backend.resharders.append(self)
-
-    def cut_copies(self, fulls: Sequence[torch.Tensor]) -> None:
-        """The first epoch: cut the copy this rank keeps from the full
-        parameters (every member starts from the same)."""
-        owner = self.layout.copy_of(self.rank)
-        self.copies = []
-        for e, full in zip(self._entries, fulls, strict=True):
-            copy = torch.zeros(e.shard_numel, dtype=full.dtype, device=full.device)
-            if owner is not None:
-                lo = min(owner * e.shard_numel, e.numel)
-                hi = min(lo + e.shard_numel, e.numel)
-                copy[: hi - lo] = full.reshape(-1)[lo:hi]
-            self.copies.append(copy)
 
     # ---------------------------------------------------------- protocol
 
@@ -451,7 +441,7 @@ class ElasticShards:
                         self.optimizer.state[e.shard] = state_of(i, own[i])
                     else:
                         self.optimizer.state.pop(e.shard, None)
-        self.copies = [c[0] if c else torch.empty(0) for c in copy]
+        self.copies = [c[0] for c in copy] if new.copy_of(me) is not None else []
         self.copy_state = [state_of(i, c) if c else {} for i, c in enumerate(copy)]
         self.layout, self.rank, self.holds = new, me, True
         self._copy_grads = None

@@ -52,7 +52,16 @@ def main() -> None:
         run(backend, fsdp, net, opt, state)
     except fg.FerroGrpcError as exc:
         print(
-            json.dumps({"event": "error", "type": type(exc).__name__, "error": str(exc)}),
+            json.dumps(
+                {
+                    "event": "error",
+                    "type": type(exc).__name__,
+                    "error": str(exc),
+                    "lost": getattr(exc, "lost", None),
+                    "shards": getattr(exc, "shards", None),
+                    "t": time.time(),
+                }
+            ),
             flush=True,
         )
         backend.close()
