@@ -40,17 +40,22 @@ def _status(target: str) -> int:
         return f"{max(0.0, now - last_heartbeat):.1f}s ago" if last_heartbeat else "never"
 
     if status.epoch:
-        # An elastic group: its epoch's members, then the joiners waiting.
-        waiting = len(status.joiners)
+        # An elastic group: its epoch's members, then the joiners waiting,
+        # then the spares (beyond max_world_size).
+        waiting, spares = len(status.joiners), len(status.spares)
+        most = f" (max_world_size {status.max_world_size})" if status.max_world_size else ""
         print(
             f"coordinator {target}: elastic group, run {status.run_id}, epoch {status.epoch}: "
-            f"{status.joined} members, {waiting} joiner{'' if waiting == 1 else 's'} waiting"
+            f"{status.joined} members{most}, {waiting} joiner{'' if waiting == 1 else 's'} "
+            f"waiting, {spares} spare{'' if spares == 1 else 's'}"
         )
         print(f"{'rank':>4}  {'address':<24} {'last heartbeat':>15}  state")
         for m in status.members:
             print(f"{m.rank:>4}  {m.address:<24} {age(m.last_heartbeat):>15}  member")
         for j in status.joiners:
             print(f"{'-':>4}  {j.address:<24} {age(j.last_heartbeat):>15}  joiner, waiting")
+        for j in status.spares:
+            print(f"{'-':>4}  {j.address:<24} {age(j.last_heartbeat):>15}  spare, ready")
     else:
         print(
             f"coordinator {target}: run {status.run_id}, {status.joined}/{status.world_size} joined"

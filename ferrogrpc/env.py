@@ -72,9 +72,13 @@ MAX_RANKS_ENV: Final = "FERROGRPC_MAX_RANKS"
 ELASTIC_ENV: Final = "FERROGRPC_ELASTIC"
 MIN_WORLD_SIZE_ENV: Final = "FERROGRPC_MIN_WORLD_SIZE"
 HEARTBEAT_TIMEOUT_ENV: Final = "FERROGRPC_HEARTBEAT_TIMEOUT"
+# The most members an elastic epoch takes: processes beyond it wait as hot
+# spares, admitted at the first boundary after a member is lost.
+MAX_WORLD_SIZE_ENV: Final = "FERROGRPC_MAX_WORLD_SIZE"
 # torchrun's --nnodes, "MIN:MAX" (or "N"), which its ferrogrpc rendezvous
 # (control/torchrun.py) exports to the workers: with LOCAL_WORLD_SIZE it
-# gives the defaults of min_world_size (MIN nodes' processes).
+# gives the defaults of min_world_size and max_world_size (MIN and MAX
+# nodes' processes).
 TORCHRUN_NNODES_ENV: Final = "FERROGRPC_TORCHRUN_NNODES"
 # Observability (observe/): Prometheus metrics per rank, the trace's
 # directory, and where the flight recorder dumps when a rank breaks.
@@ -215,6 +219,8 @@ class Settings:
     max_ranks: int = 1024
     elastic: bool = False
     min_world_size: int = 1
+    # 0: no limit (every joiner is admitted at the next boundary).
+    max_world_size: int = 0
     # Four heartbeats (every half second) missed in a row: a process that
     # the scheduler starves (two CPU burners on two cores) still beats well
     # within it, and a stopped one is removed within 3 s.
@@ -253,11 +259,15 @@ class Settings:
         min_world = _int(env, MIN_WORLD_SIZE_ENV)
         if min_world is not None and min_world < 1:
             raise ConfigError(f"{MIN_WORLD_SIZE_ENV}={min_world} must be 1 or more")
-        # Under torchrun's ferrogrpc rendezvous: --nnodes' MIN nodes of
-        # LOCAL_WORLD_SIZE processes each, unless set apart.
+        max_world = _int(env, MAX_WORLD_SIZE_ENV)
+        if max_world is not None and max_world < 0:
+            raise ConfigError(f"{MAX_WORLD_SIZE_ENV}={max_world} must be 0 (no limit) or more")
+        # Under torchrun's ferrogrpc rendezvous: --nnodes' MIN and MAX nodes
+        # of LOCAL_WORLD_SIZE processes each, unless set apart.
         nodes, per_node = _nnodes(env), _int(env, LOCAL_WORLD_SIZE_ENV)
-        if nodes is not None and per_node and min_world is None:
-            min_world = nodes[0] * per_node
+        if nodes is not None and per_node:
+            min_world = nodes[0] * per_node if min_world is None else min_world
+            max_world = nodes[1] * per_node if max_world is None else max_world
         metrics_port = _int(env, METRICS_PORT_ENV)
         if metrics_port is not None and not 0 <= metrics_port < 65536:
             raise ConfigError(f"{METRICS_PORT_ENV}={metrics_port} is not a port (0 to 65535)")
@@ -323,6 +333,7 @@ class Settings:
             max_ranks=1024 if max_ranks is None else max_ranks,
             elastic=_switch(env, ELASTIC_ENV, False),
             min_world_size=1 if min_world is None else min_world,
+            max_world_size=max_world or 0,
             heartbeat_timeout=heartbeat,
             metrics_port=metrics_port,
             trace_dir=env.get(TRACE_ENV) or None,

@@ -37,6 +37,7 @@ def init_backend(
     elastic: Literal[False] | None = None,
     min_world_size: int | None = None,
     metrics_port: int | None = None,
+    max_world_size: int | None = None,
 ) -> Backend: ...
 
 
@@ -60,6 +61,7 @@ def init_backend(
     elastic: Literal[True],
     min_world_size: int | None = None,
     metrics_port: int | None = None,
+    max_world_size: int | None = None,
 ) -> ElasticBackend: ...
 
 
@@ -82,6 +84,7 @@ def init_backend(
     elastic: bool | None = None,
     min_world_size: int | None = None,
     metrics_port: int | None = None,
+    max_world_size: int | None = None,
 ) -> Backend | ElasticBackend:
     """Join the group and return a blocking :class:`Backend` (an
     :class:`ElasticBackend` with ``elastic=True``).
@@ -136,6 +139,13 @@ def init_backend(
             member raises QuorumLostError. The first epoch forms once this
             many have entered and the coordinator's join window passed (or
             the coordinator's ``--world-size`` entered).
+        max_world_size: an elastic group's most members
+            (``FERROGRPC_MAX_WORLD_SIZE``, default 0: no limit). Processes
+            beyond it wait as hot spares (their model built, their peer
+            started, the members connected to them) and are admitted at
+            the first step boundary after a member is lost. Under torchrun's
+            ``ferrogrpc`` rendezvous both bounds default to ``--nnodes``'
+            MIN and MAX nodes of ``LOCAL_WORLD_SIZE`` processes.
         metrics_port: serve Prometheus metrics on this port
             (``FERROGRPC_METRICS_PORT``; default off): bytes by path and
             peer, collectives, their latency, failures by culprit, DDP and
@@ -177,6 +187,7 @@ def init_backend(
         elastic=elastic,
         min_world_size=min_world_size,
         metrics_port=metrics_port,
+        max_world_size=max_world_size,
     )
     if s.metrics_port is not None and not 0 <= s.metrics_port < 65536:
         raise ConfigError(f"metrics_port={s.metrics_port} is not a port (0 to 65535)")
@@ -215,6 +226,11 @@ def _start_elastic(s: Settings) -> ElasticBackend:
         )
     if s.min_world_size < 1:
         raise ConfigError(f"min_world_size must be 1 or more, got {s.min_world_size}")
+    if s.max_world_size < 0 or 0 < s.max_world_size < s.min_world_size:
+        raise ConfigError(
+            f"max_world_size must be 0 (no limit) or at least min_world_size "
+            f"{s.min_world_size}, got {s.max_world_size}"
+        )
     from .control.membership_client import MembershipClient
     from .elastic.backend import ElasticBackend
 
@@ -224,6 +240,7 @@ def _start_elastic(s: Settings) -> ElasticBackend:
         tls=s.tls,
         heartbeat_timeout=s.heartbeat_timeout,
         min_world_size=s.min_world_size,
+        max_world_size=s.max_world_size,
         timeout=s.timeouts.connect,
     )
     backend = ElasticBackend(s, client)

@@ -132,13 +132,16 @@ class Coordinator:
         tls: TLSConfig | None = None,
         limits: Limits | None = None,
         heartbeat_timeout: float = 2.0,
+        max_world_size: int = 0,
     ) -> None:
         if world_size < 0:
             raise ConfigError(
                 f"world_size must be >= 0 (0: decided by who joins), got {world_size}"
             )
-        if min_ranks < 1 or join_window <= 0:
-            raise ConfigError("min_ranks must be >= 1 and join_window > 0")
+        if min_ranks < 1 or join_window <= 0 or max_world_size < 0:
+            raise ConfigError(
+                "min_ranks must be >= 1, join_window > 0 and max_world_size >= 0 (0: no limit)"
+            )
         # 0 = sized by who joins: the group is released once at least min_ranks peers
         # have joined and join_window seconds pass without another joining,
         # so `docker compose up --scale rank=N` works for any N.
@@ -166,6 +169,7 @@ class Coordinator:
             heartbeat_timeout=heartbeat_timeout,
             join_window=join_window,
             min_world_size=min_ranks,
+            max_world_size=max_world_size,
             initial_world_size=world_size,
             max_ranks=self.limits.max_ranks,
         )
@@ -457,6 +461,7 @@ class Coordinator:
                 )
 
             members = [member(r, p) for r, p in enumerate(group.members) if p is not None]
+            admit, spares = group.waiting()
             return rpb.StatusResponse(
                 world_size=len(group.members),
                 joined=len(members),
@@ -464,7 +469,9 @@ class Coordinator:
                 metrics_port=self.metrics_port,
                 epoch=group.epoch,
                 members=members,
-                joiners=[member(0, p) for p in list(group.joiners)],
+                joiners=[member(0, p) for p in admit],
+                spares=[member(0, p) for p in spares],
+                max_world_size=group.max_world_size,
             ).SerializeToString()
         response = rpb.StatusResponse(
             world_size=self.world_size,

@@ -9,6 +9,9 @@ that joined (``init_backend`` with a coordinator) or an elastic group
 - ``ferrogrpc_group_world_size`` and ``ferrogrpc_group_members`` (the ranks
   of the current round or epoch, and how many hold a slot now);
 - ``ferrogrpc_group_epoch`` (0: no elastic epoch formed);
+- ``ferrogrpc_group_joiners_waiting`` (admitted at the next step boundary),
+  ``ferrogrpc_group_spares`` (waiting beyond ``max_world_size``, admitted
+  once a member is lost) and ``ferrogrpc_group_max_world_size`` (0: none);
 - ``ferrogrpc_group_joins_total``, ``ferrogrpc_group_removals_total``,
   ``ferrogrpc_group_rounds_total`` (rendezvous rounds released) and
   ``ferrogrpc_group_epochs_total`` (elastic epochs formed);
@@ -61,6 +64,21 @@ class GroupCollector(Collector):
             "ferrogrpc_group_epoch", "The elastic group's membership epoch (0: none formed)"
         )
         epoch.add_metric([], m.epoch)
+        admit, spares = m.waiting() if elastic else ([], [])
+        waiting = GaugeMetricFamily(
+            "ferrogrpc_group_joiners_waiting",
+            "Processes waiting to join an elastic group at its next step boundary",
+        )
+        waiting.add_metric([], len(admit))
+        spare = GaugeMetricFamily(
+            "ferrogrpc_group_spares",
+            "Hot spares: processes waiting beyond max_world_size, admitted once a member is lost",
+        )
+        spare.add_metric([], len(spares))
+        most = GaugeMetricFamily(
+            "ferrogrpc_group_max_world_size", "An elastic epoch's most members (0: no limit)"
+        )
+        most.add_metric([], m.max_world_size)
         joins = CounterMetricFamily(
             "ferrogrpc_group_joins", "Peers given a rank: by Join, or by entering an epoch"
         )
@@ -90,7 +108,7 @@ class GroupCollector(Collector):
             if member.last_heartbeat:
                 age.add_metric([str(rank)], max(0.0, now - member.last_heartbeat))
             seq.add_metric([str(rank)], member.seq)
-        return [world, held, epoch, joins, removals, rounds, epochs, age, seq]
+        return [world, held, epoch, waiting, spare, most, joins, removals, rounds, epochs, age, seq]
 
 
 class GroupMetricsServer:
@@ -121,6 +139,8 @@ _SUMMARY = (
     ("ferrogrpc_group_removals_total", "removals"),
     ("ferrogrpc_group_rounds_total", "rounds"),
     ("ferrogrpc_group_epochs_total", "epochs formed"),
+    ("ferrogrpc_group_joiners_waiting", "joiners waiting"),
+    ("ferrogrpc_group_spares", "spares"),
 )
 
 

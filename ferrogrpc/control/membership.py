@@ -12,7 +12,9 @@ epoch forms when:
   survivors keep their order; the lost ones are dropped.
 - joiners wait, and the members reach a step boundary: ``GROW``. The
   joiners take the next ranks. (Only a GROW admits joiners: a RECOVER may
-  come in the middle of a step, when there is no state to hand out.)
+  come in the middle of a step, when there is no state to hand out.) With
+  ``max_world_size``, a GROW admits joiners up to it; the others wait as
+  spares, ready, and the first boundary after a member is lost admits one.
 
 A gradient sync is committed through the coordinator too (Commit): a
 member whose sync finished in epoch E waits until every member of E has
@@ -64,7 +66,7 @@ from collections.abc import Callable, Sequence
 
 from ..v1 import rendezvous_pb2 as rpb
 from .commits import SyncLedger
-from .rounds import Entry, NotAdopted, QuorumLostInRound, SettingMismatch, _Round
+from .rounds import Entry, NotAdopted, QuorumLostInRound, _Round, admitted, check_setting, placed
 
 logger = logging.getLogger("ferrogrpc.coordinator")
 
@@ -86,6 +88,7 @@ class ElasticMembership:
         heartbeat_timeout: float,
         join_window: float,
         min_world_size: int = 1,
+        max_world_size: int = 0,
         initial_world_size: int = 0,
         max_ranks: int = 1024,
         clock: Callable[[], float] = time.monotonic,
@@ -98,6 +101,11 @@ class ElasticMembership:
         # joiner must match): the quorum is the larger.
         self.floor = min_world_size
         self.members_min = 0
+        # The most members an epoch takes (0: any), the coordinator's own
+        # (--max-world-size) and its members' (a GROW's joiners beyond it
+        # wait as spares): the smaller.
+        self.cap = max_world_size
+        self.members_max = 0
         self.initial_world_size = initial_world_size
         self.max_ranks = max_ranks
         self.clock = clock
@@ -156,9 +164,24 @@ class ElasticMembership:
     def min_world_size(self) -> int:
         return max(self.floor, self.members_min)
 
-    @min_world_size.setter
-    def min_world_size(self, value: int) -> None:
-        self.floor = value
+    @property
+    def max_world_size(self) -> int:
+        return min([n for n in (self.cap, self.members_max) if n], default=0)
+
+    def waiting(self, kept: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
+        """The joiners a GROW keeping ``kept`` (default: the members, less
+        those that entered as joiners) would admit now, and the spares beyond
+        them (see [Note: elastic epochs])."""
+        now = self.clock()
+        if kept is None:
+            kept = [p for p in self.members if p is not None and p not in self._stateless]
+        fresh = [
+            p
+            for p in self.joiners
+            if p not in kept and now - self.seen.get(p, now) <= self.heartbeat_timeout
+        ]
+        admit = admitted(fresh, len(kept), self.max_world_size)
+        return admit, [p for p in self.joiners if p not in admit and p not in kept]
 
     @property
     def ended(self) -> str:
@@ -205,17 +228,21 @@ class ElasticMembership:
         if request.epoch == self.epoch and request.epoch and peer in self.members:
             if request.min_world_size:
                 self.members_min = max(self.members_min, int(request.min_world_size))
+            self.members_max = self.members_max or int(request.max_world_size)
             self.syncs.note_committed(peer, int(request.committed))
         removed: list[int] = []
         if self.round is not None and request.epoch + 1 == self.round.epoch:
             removed = list(self.round.dropped)
+        admit, spares = self.waiting()
         return rpb.HeartbeatResponse(
             epoch=self.epoch,
             recover_pending=self.round is not None and self.round.reason == rpb.ENTER_RECOVER,
-            joiners_waiting=len(self.joiners),
+            joiners_waiting=len(admit),
             member=self.is_member(peer),
             removed=removed,
+            # (Spares too: members connect to them ahead, as to joiners.)
             joiner_addresses=[entry.address for entry in self.joiners.values()],
+            spare=peer in spares,
         )
 
     def _leave(self, peer: str) -> rpb.HeartbeatResponse:
@@ -286,7 +313,7 @@ class ElasticMembership:
         self._fill(request)
 
     def _fill(self, request: rpb.HeartbeatRequest) -> None:
-        rank = self._heartbeat_rank(request)
+        rank = int(request.rank) if request.address else None
         if rank is None or not 0 <= rank < len(self.members) or self.members[rank] is not None:
             return
         if request.peer_id in self.members:
@@ -295,10 +322,6 @@ class ElasticMembership:
         self.entries[request.peer_id] = Entry(
             request.peer_id, request.address, request.nonce, request.host
         )
-
-    @staticmethod
-    def _heartbeat_rank(request: rpb.HeartbeatRequest) -> int | None:
-        return int(request.rank) if request.address else None
 
     # -------------------------------------------------------------- enter
 
@@ -309,9 +332,7 @@ class ElasticMembership:
         coordinator does not know, after waiting for its heartbeats)."""
         peer = request.peer_id
         self.seen[peer] = self.clock()
-        entry = Entry(
-            peer, request.address, request.nonce, request.host, int(request.min_world_size)
-        )
+        entry = Entry.entering(request)
         answered = self._answers.get(peer)
         if answered is not None and answered.epoch > request.epoch:
             return answered  # a retry: that epoch is formed
@@ -328,8 +349,8 @@ class ElasticMembership:
             await self._settle_adoption(())  # its heartbeat may place it yet
             rank = self._rank_of(peer)
         member = request.epoch == self.epoch and rank is not None
-        if not member:
-            self._check_setting(entry)
+        if not member and (self.epoch or self.round):
+            check_setting(entry, self.members_min, self.members_max)
         if self.epoch == 0 and self._first is None and not self.members and request.epoch == 0:
             self._first = _Round(1, rpb.ENTER_JOIN, [], 0, [])
         if self._first is not None and request.epoch == 0:
@@ -376,20 +397,6 @@ class ElasticMembership:
                 "it restarted, and no member of that epoch has reported to it yet"
             )
 
-    def _check_setting(self, entry: Entry) -> None:
-        """A joiner of a running group must run with the group's
-        min_world_size: one that differs is refused, and the group goes on
-        (one joiner's setting never changes the group's quorum)."""
-        group = self.members_min
-        mine = entry.min_world_size
-        if not mine or not group or mine == group or not (self.epoch or self.round):
-            return
-        raise SettingMismatch(
-            f"this process runs with min_world_size {mine} (FERROGRPC_MIN_WORLD_SIZE, or "
-            f"init_backend's min_world_size), but the group it joins runs with {group}: "
-            "every process of an elastic group must use the same value"
-        )
-
     async def _settle_adoption(self, lost: Sequence[int]) -> None:
         """A restarted coordinator learns an adopted epoch's members from
         their heartbeats: before the next epoch opens, wait until every
@@ -428,6 +435,8 @@ class ElasticMembership:
             # A running group was heard from meanwhile (this coordinator
             # restarted): it admits this process at its next boundary.
             return await self._enter_as_joiner(entry, stateless=True)
+        if entry.peer_id not in first.order:  # beyond max_world_size: a spare
+            return await self._enter_as_joiner(entry)
         return self._answer(result, entry.peer_id)
 
     def _schedule_first(self, delay: float) -> None:
@@ -452,8 +461,14 @@ class ElasticMembership:
             self._schedule_first(0.0)
             return
         self._first = None
-        first.joined_from = len(first.order)  # the first epoch: nobody joins late
         self.members_min = max(e.min_world_size for e in first.entered.values())
+        self.members_max = min(
+            [e.max_world_size for e in first.entered.values() if e.max_world_size], default=0
+        )
+        for peer in first.order[len(admitted(first.order, 0, self.max_world_size)) :]:
+            self.joiners[peer] = first.entered.pop(peer)  # beyond max_world_size: spares
+        first.order = [p for p in first.order if p in first.entered]
+        first.joined_from = len(first.order)  # the first epoch: nobody joins late
         self._form(first)
 
     async def _enter_as_joiner(self, entry: Entry, stateless: bool = False) -> rpb.EnterResponse:
@@ -497,13 +512,7 @@ class ElasticMembership:
         kept = [p for r, p in enumerate(self.members) if r not in dropped and p is not None]
         # (A member that entered before a restarted coordinator placed it
         # waits among the joiners too: it is listed once, kept.)
-        joiners = [
-            p
-            for p in self.joiners
-            if reason == rpb.ENTER_GROW
-            and p not in kept
-            and now - self.seen.get(p, now) <= self.heartbeat_timeout
-        ]
+        joiners = self.waiting(kept)[0] if reason == rpb.ENTER_GROW else []
         current = _Round(self.epoch + 1, reason, kept + joiners, len(kept), dropped)
         self.round = current
         logger.info(
@@ -624,10 +633,7 @@ class ElasticMembership:
             del self._answers[peer]
 
     def _answer(self, result: rpb.EnterResponse, peer: str) -> rpb.EnterResponse:
-        answer = rpb.EnterResponse()
-        answer.CopyFrom(result)
-        answer.rank = self.members.index(peer) if peer in self.members else 0
-        return answer
+        return placed(result, self._rank_of(peer) or 0)
 
     # -------------------------------------------------------------- commits
 

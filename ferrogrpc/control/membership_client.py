@@ -72,6 +72,7 @@ class MembershipClient:
         heartbeat_timeout: float,
         min_world_size: int,
         timeout: float,
+        max_world_size: int = 0,
     ) -> None:
         if ":" not in target:
             raise ConfigError(f"coordinator address {target!r} must be host:port")
@@ -79,6 +80,7 @@ class MembershipClient:
         self.tls = tls
         self.timeout = timeout
         self.min_world_size = min_world_size
+        self.max_world_size = max_world_size
         self.period = heartbeat_timeout / 4
         self._options = reconnect_options(heartbeat_timeout)
         self._metadata = token_metadata(token)
@@ -88,9 +90,12 @@ class MembershipClient:
         self.beat = Beat()
         self.activity: Activity = lambda: ("", 0)
         self.latest: rpb.HeartbeatResponse | None = None
+        self._latest_at = 0.0
         self.on_heartbeat: Callable[[rpb.HeartbeatResponse], None] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # Set to beat at once (a new epoch: see set_beat).
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._channel: grpc.aio.Channel | None = None
 
@@ -125,6 +130,7 @@ class MembershipClient:
             reason=reason,  # type: ignore[arg-type]
             lost=list(lost),
             min_world_size=self.min_world_size,
+            max_world_size=self.max_world_size,
         )
         deadline = time.monotonic() + self.timeout
         while True:
@@ -152,10 +158,22 @@ class MembershipClient:
                 if code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline:
                     await asyncio.sleep(0.5)  # the coordinator is away: wait for it
                     continue
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._spare():
+                    # A spare waits for a member to be lost, however long
+                    # that takes, while the coordinator says it waits.
+                    deadline = time.monotonic() + self.timeout
+                    continue
                 raise RendezvousError(
                     f"entering the next epoch through the coordinator at {self.target} failed: "
                     f"{code.name} {exc.details()}{self._why(code)}"
                 ) from exc
+
+    def _spare(self) -> bool:
+        """Whether the coordinator's latest answer, of the last two heartbeat
+        periods, says that this process waits as a spare."""
+        latest = self.latest
+        fresh = time.monotonic() - self._latest_at <= 2 * self.period + 1.0
+        return latest is not None and latest.spare and fresh
 
     def _why(self, code: grpc.StatusCode) -> str:
         """Which of two causes a timeout had: nothing answers at the target,
@@ -256,6 +274,7 @@ class MembershipClient:
             host=beat.host,
             committed=beat.committed,
             min_world_size=self.min_world_size,
+            max_world_size=self.max_world_size,
             collective=collective,
             seq=seq,
             leaving=leaving,
@@ -275,7 +294,7 @@ class MembershipClient:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             logger.debug("heartbeat to %s failed: %s", self.target, code)
             return None
-        self.latest = response
+        self.latest, self._latest_at = response, time.monotonic()
         return response
 
     def _run(self) -> None:
@@ -288,11 +307,16 @@ class MembershipClient:
                         self.on_heartbeat(response)
                     except Exception:  # never let a callback stop the heartbeats
                         logger.exception("elastic heartbeat callback failed")
-                self._stop.wait(self.period)
+                self._wake.wait(self.period)
+                self._wake.clear()
 
     def set_beat(self, beat: Beat) -> None:
+        """This process's place in a new epoch; heartbeat it at once: the
+        answer counts the joiners that epoch's next boundary admits (a spare
+        once a member was lost), and a restarted coordinator learns sooner."""
         with self._lock:
             self.beat = beat
+        self._wake.set()
 
     def set_committed(self, epoch: int, committed: int) -> None:
         """This member had ``committed`` syncs of ``epoch`` committed."""
@@ -303,6 +327,7 @@ class MembershipClient:
     def close(self) -> None:
         """Stop heartbeating, and tell the coordinator this process leaves."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None

@@ -20,6 +20,13 @@ class Entry:
     nonce: str
     host: str = ""
     min_world_size: int = 0
+    max_world_size: int = 0
+
+    @classmethod
+    def entering(cls, request: rpb.EnterRequest) -> Entry:
+        """The process that sends ``request``, with its settings."""
+        r = request
+        return cls(r.peer_id, r.address, r.nonce, r.host, r.min_world_size, r.max_world_size)
 
 
 class SettingMismatch(Exception):  # noqa: N818 - a verdict, not a fault
@@ -44,6 +51,38 @@ class QuorumLostInRound(Exception):  # noqa: N818 - a verdict, not a fault
         self.lost = sorted(lost)
         self.remaining = remaining
         self.minimum = minimum
+
+
+def admitted(waiting: Sequence[str], kept: int, most: int) -> list[str]:
+    """The joiners (``waiting``, in the order they came) that an epoch of
+    ``kept`` members admits: all of them, or up to ``most`` members (0: no
+    limit). The others wait as spares, admitted once members are lost."""
+    return list(waiting) if not most else list(waiting[: max(0, most - kept)])
+
+
+def placed(result: rpb.EnterResponse, rank: int) -> rpb.EnterResponse:
+    """An epoch's table (``result``), as the member at ``rank`` is answered."""
+    answer = rpb.EnterResponse()
+    answer.CopyFrom(result)
+    answer.rank = rank
+    return answer
+
+
+def check_setting(entry: Entry, group_min: int, group_max: int) -> None:
+    """A joiner of a running group must run with the group's
+    min_world_size and max_world_size: SettingMismatch if it does not (one
+    joiner's setting never changes the group's bounds)."""
+    for name, mine, group in (
+        ("min_world_size", entry.min_world_size, group_min),
+        ("max_world_size", entry.max_world_size, group_max),
+    ):
+        if mine and group and mine != group:
+            variable = f"FERROGRPC_{name.upper()}"
+            raise SettingMismatch(
+                f"this process runs with {name} {mine} ({variable}, or init_backend's "
+                f"{name}), but the group it joins runs with {group}: every process of an "
+                "elastic group must use the same value"
+            )
 
 
 @dataclasses.dataclass

@@ -4,7 +4,8 @@
 It honours ``FERROGRPC_TOKEN`` and ``FERROGRPC_TLS_*`` as peers do (every
 call must carry the token; every connection is mutual TLS), and
 ``FERROGRPC_MAX_RANKS`` (the most ranks a round sized by who joins, or an
-elastic epoch, takes). It imports no torch.
+elastic epoch, takes) and ``FERROGRPC_MAX_WORLD_SIZE`` (an elastic group's
+most members: the others wait as hot spares). It imports no torch.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ async def serve(
     settings: Settings | None = None,
     exit_when_done: bool = False,
     metrics_port: int | None = None,
+    max_world_size: int | None = None,
 ) -> None:
     s = settings or Settings.from_env()
     coordinator = Coordinator(
@@ -90,6 +92,7 @@ async def serve(
         tls=s.tls,
         limits=Limits(max_ranks=s.max_ranks),
         heartbeat_timeout=s.heartbeat_timeout,
+        max_world_size=max_world_size if max_world_size is not None else s.max_world_size,
     )
     bound = await coordinator.start(f"{host}:{port}")
     logging.getLogger("ferrogrpc.coordinator").info(
@@ -151,6 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --world-size 0, the seconds without a new rank after which those that "
         "joined are released; an elastic group's first epoch forms after it too (default 5)",
     )
+    parser.add_argument(
+        "--max-world-size",
+        type=int,
+        default=None,
+        help="an elastic group's most members (FERROGRPC_MAX_WORLD_SIZE; default: the "
+        "members' own, else no limit): processes beyond it wait as hot spares, admitted at "
+        "the first step boundary after a member is lost",
+    )
     parser.add_argument("--host", default="0.0.0.0", help="bind address (default 0.0.0.0)")
     parser.add_argument("--port", type=int, default=29400, help="(default 29400)")
     parser.add_argument(
@@ -188,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                 settings,
                 exit_when_done=args.exit_when_done,
                 metrics_port=args.metrics_port,
+                max_world_size=args.max_world_size,
             )
         )
     finally:

@@ -48,7 +48,7 @@ class JoinResponse(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., run_id: _Optional[str] = ..., nonces: _Optional[_Iterable[str]] = ..., hosts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("rank", "run_id", "collective", "seq", "leaving", "peer_id", "epoch", "world_size", "address", "nonce", "host", "min_world_size", "committed")
+    __slots__ = ("rank", "run_id", "collective", "seq", "leaving", "peer_id", "epoch", "world_size", "address", "nonce", "host", "min_world_size", "committed", "max_world_size")
     RANK_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class HeartbeatRequest(_message.Message):
     HOST_FIELD_NUMBER: _ClassVar[int]
     MIN_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     run_id: str
     collective: str
@@ -75,26 +76,29 @@ class HeartbeatRequest(_message.Message):
     host: str
     min_world_size: int
     committed: int
-    def __init__(self, rank: _Optional[int] = ..., run_id: _Optional[str] = ..., collective: _Optional[str] = ..., seq: _Optional[int] = ..., leaving: _Optional[bool] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., world_size: _Optional[int] = ..., address: _Optional[str] = ..., nonce: _Optional[str] = ..., host: _Optional[str] = ..., min_world_size: _Optional[int] = ..., committed: _Optional[int] = ...) -> None: ...
+    max_world_size: int
+    def __init__(self, rank: _Optional[int] = ..., run_id: _Optional[str] = ..., collective: _Optional[str] = ..., seq: _Optional[int] = ..., leaving: _Optional[bool] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., world_size: _Optional[int] = ..., address: _Optional[str] = ..., nonce: _Optional[str] = ..., host: _Optional[str] = ..., min_world_size: _Optional[int] = ..., committed: _Optional[int] = ..., max_world_size: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("epoch", "recover_pending", "joiners_waiting", "member", "removed", "joiner_addresses")
+    __slots__ = ("epoch", "recover_pending", "joiners_waiting", "member", "removed", "joiner_addresses", "spare")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RECOVER_PENDING_FIELD_NUMBER: _ClassVar[int]
     JOINERS_WAITING_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     JOINER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     recover_pending: bool
     joiners_waiting: int
     member: bool
     removed: _containers.RepeatedScalarFieldContainer[int]
     joiner_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, epoch: _Optional[int] = ..., recover_pending: _Optional[bool] = ..., joiners_waiting: _Optional[int] = ..., member: _Optional[bool] = ..., removed: _Optional[_Iterable[int]] = ..., joiner_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    spare: bool
+    def __init__(self, epoch: _Optional[int] = ..., recover_pending: _Optional[bool] = ..., joiners_waiting: _Optional[int] = ..., member: _Optional[bool] = ..., removed: _Optional[_Iterable[int]] = ..., joiner_addresses: _Optional[_Iterable[str]] = ..., spare: _Optional[bool] = ...) -> None: ...
 
 class EnterRequest(_message.Message):
-    __slots__ = ("peer_id", "address", "nonce", "host", "epoch", "reason", "lost", "min_world_size")
+    __slots__ = ("peer_id", "address", "nonce", "host", "epoch", "reason", "lost", "min_world_size", "max_world_size")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +107,7 @@ class EnterRequest(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
     MIN_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     address: str
     nonce: str
@@ -111,7 +116,8 @@ class EnterRequest(_message.Message):
     reason: EnterReason
     lost: _containers.RepeatedScalarFieldContainer[int]
     min_world_size: int
-    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., nonce: _Optional[str] = ..., host: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[_Union[EnterReason, str]] = ..., lost: _Optional[_Iterable[int]] = ..., min_world_size: _Optional[int] = ...) -> None: ...
+    max_world_size: int
+    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., nonce: _Optional[str] = ..., host: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[_Union[EnterReason, str]] = ..., lost: _Optional[_Iterable[int]] = ..., min_world_size: _Optional[int] = ..., max_world_size: _Optional[int] = ...) -> None: ...
 
 class EnterResponse(_message.Message):
     __slots__ = ("epoch", "rank", "world_size", "addresses", "nonces", "hosts", "joined_from", "run_id")
@@ -152,7 +158,7 @@ class Member(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., last_heartbeat: _Optional[float] = ..., collective: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("world_size", "joined", "run_id", "members", "metrics_port", "epoch", "joiners", "ended")
+    __slots__ = ("world_size", "joined", "run_id", "members", "metrics_port", "epoch", "joiners", "ended", "spares", "max_world_size")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     JOINED_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +167,8 @@ class StatusResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     JOINERS_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
+    SPARES_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     joined: int
     run_id: str
@@ -169,7 +177,9 @@ class StatusResponse(_message.Message):
     epoch: int
     joiners: _containers.RepeatedCompositeFieldContainer[Member]
     ended: str
-    def __init__(self, world_size: _Optional[int] = ..., joined: _Optional[int] = ..., run_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., metrics_port: _Optional[int] = ..., epoch: _Optional[int] = ..., joiners: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., ended: _Optional[str] = ...) -> None: ...
+    spares: _containers.RepeatedCompositeFieldContainer[Member]
+    max_world_size: int
+    def __init__(self, world_size: _Optional[int] = ..., joined: _Optional[int] = ..., run_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., metrics_port: _Optional[int] = ..., epoch: _Optional[int] = ..., joiners: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., ended: _Optional[str] = ..., spares: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., max_world_size: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("peer_id", "epoch", "n")
