@@ -22,7 +22,7 @@ from ferrogrpc.control.coordinator import Coordinator
 from ferrogrpc.control.coordinator_client import fetch_status
 from ferrogrpc.control.group_metrics import GroupCollector
 from ferrogrpc.control.membership import ElasticMembership
-from ferrogrpc.control.rounds import SettingMismatch, admitted
+from ferrogrpc.control.rounds import GroupOver, SettingMismatch, admitted
 from ferrogrpc.v1 import rendezvous_pb2 as rpb
 
 from .helpers import RANKS, ROOT
@@ -147,6 +147,21 @@ async def test_a_silent_spare_is_dropped_and_the_next_one_is_admitted() -> None:
     answers = await asyncio.gather(ready, _enter(m, "a", rpb.ENTER_GROW, 2))
     assert _placed(answers) == [(3, 1, 2, 1), (3, 0, 2, 1)]
     stale.cancel()
+
+
+async def test_a_spare_still_waiting_when_training_ends_is_told_and_starts_no_group() -> None:
+    m = ElasticMembership(
+        heartbeat_timeout=2.0, join_window=0.1, initial_world_size=2, max_world_size=2
+    )
+    m.quiet = 0
+    await asyncio.gather(*(_enter(m, p, rpb.ENTER_JOIN, 0) for p in "ab"))
+    spare = _enter(m, "s", rpb.ENTER_JOIN, 0)
+    await asyncio.sleep(0.01)
+    for p in "ab":  # both members closed their backend: training is done
+        m.heartbeat(rpb.HeartbeatRequest(peer_id=p, epoch=1, leaving=True))
+    with pytest.raises(GroupOver, match="every member of the last epoch left"):
+        await spare
+    assert m.epoch == 0 and m._first is None and m.ended
 
 
 async def test_status_and_the_group_metrics_show_the_spares() -> None:

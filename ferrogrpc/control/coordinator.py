@@ -37,7 +37,7 @@ from .coordinator_client import SERVICE
 from .coordinator_client import CoordinatorRendezvous as CoordinatorRendezvous
 from .coordinator_client import fetch_status as fetch_status
 from .membership import LOST_KEY, ElasticMembership
-from .rounds import NotAdopted, QuorumLostInRound, SettingMismatch
+from .rounds import GroupOver, NotAdopted, QuorumLostInRound, SettingMismatch
 
 logger = logging.getLogger("ferrogrpc.coordinator")
 
@@ -405,6 +405,8 @@ class Coordinator:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NotAdopted as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except GroupOver as exc:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
         return response.SerializeToString()
 
     async def commit(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:

@@ -65,8 +65,9 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from ..v1 import rendezvous_pb2 as rpb
+from . import rounds
 from .commits import SyncLedger
-from .rounds import Entry, NotAdopted, QuorumLostInRound, _Round, admitted, check_setting, placed
+from .rounds import Entry, GroupOver, NotAdopted, QuorumLostInRound, _Round
 
 logger = logging.getLogger("ferrogrpc.coordinator")
 
@@ -101,9 +102,8 @@ class ElasticMembership:
         # joiner must match): the quorum is the larger.
         self.floor = min_world_size
         self.members_min = 0
-        # The most members an epoch takes (0: any), the coordinator's own
-        # (--max-world-size) and its members' (a GROW's joiners beyond it
-        # wait as spares): the smaller.
+        # The most members an epoch takes (0: any; beyond it joiners wait as
+        # spares): the coordinator's own (--max-world-size) or its members'.
         self.cap = max_world_size
         self.members_max = 0
         self.initial_world_size = initial_world_size
@@ -180,7 +180,7 @@ class ElasticMembership:
             for p in self.joiners
             if p not in kept and now - self.seen.get(p, now) <= self.heartbeat_timeout
         ]
-        admit = admitted(fresh, len(kept), self.max_world_size)
+        admit = rounds.admitted(fresh, len(kept), self.max_world_size)
         return admit, [p for p in self.joiners if p not in admit and p not in kept]
 
     @property
@@ -260,6 +260,8 @@ class ElasticMembership:
             self.epoch, self.members, self.entries = 0, [], {}
             self._left.clear()
             self.syncs.close()
+            self._admission.set()  # the spares waiting learn it (GroupOver)
+            self._admission = asyncio.Event()
         return rpb.HeartbeatResponse(epoch=self.epoch, member=False)
 
     def _may_adopt(self, request: rpb.HeartbeatRequest) -> bool:
@@ -350,7 +352,7 @@ class ElasticMembership:
             rank = self._rank_of(peer)
         member = request.epoch == self.epoch and rank is not None
         if not member and (self.epoch or self.round):
-            check_setting(entry, self.members_min, self.members_max)
+            rounds.check_setting(entry, self.members_min, self.members_max)
         if self.epoch == 0 and self._first is None and not self.members and request.epoch == 0:
             self._first = _Round(1, rpb.ENTER_JOIN, [], 0, [])
         if self._first is not None and request.epoch == 0:
@@ -465,7 +467,7 @@ class ElasticMembership:
         self.members_max = min(
             [e.max_world_size for e in first.entered.values() if e.max_world_size], default=0
         )
-        for peer in first.order[len(admitted(first.order, 0, self.max_world_size)) :]:
+        for peer in first.order[len(rounds.admitted(first.order, 0, self.max_world_size)) :]:
             self.joiners[peer] = first.entered.pop(peer)  # beyond max_world_size: spares
         first.order = [p for p in first.order if p in first.entered]
         first.joined_from = len(first.order)  # the first epoch: nobody joins late
@@ -479,6 +481,8 @@ class ElasticMembership:
         while True:
             if self.epoch == 0:  # the group ended (quorum lost): start anew
                 self.joiners.pop(entry.peer_id, None)
+                if self.over:  # every member left: training is done
+                    raise GroupOver(f"the elastic group ended ({self.ended})")
                 if self._first is None:
                     self._first = _Round(1, rpb.ENTER_JOIN, [], 0, [])
                 return await self._enter_first(entry)
@@ -633,7 +637,7 @@ class ElasticMembership:
             del self._answers[peer]
 
     def _answer(self, result: rpb.EnterResponse, peer: str) -> rpb.EnterResponse:
-        return placed(result, self._rank_of(peer) or 0)
+        return rounds.placed(result, self._rank_of(peer) or 0)
 
     # -------------------------------------------------------------- commits
 

@@ -151,6 +151,11 @@ class MembershipClient:
                         lost=lost_ranks,
                         peer=(lost_ranks[0] if lost_ranks else None),
                     ) from exc
+                if code == grpc.StatusCode.OUT_OF_RANGE:
+                    raise RendezvousError(
+                        f"{exc.details()} before this process was admitted (a spare): it "
+                        "has nothing left to train"
+                    ) from exc
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise ConfigError(
                         f"the coordinator at {self.target} refused this process: {exc.details()}"

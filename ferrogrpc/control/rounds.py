@@ -40,6 +40,12 @@ class NotAdopted(Exception):  # noqa: N818 - a verdict, not a fault
     that adopt its epoch may arrive meanwhile)."""
 
 
+class GroupOver(Exception):  # noqa: N818 - a verdict, not a fault
+    """A joiner (a spare, say) still waited when every member of the group
+    left: training is done (answered OUT_OF_RANGE: the joiner raises
+    RendezvousError, and never starts a group of its own)."""
+
+
 class QuorumLostInRound(Exception):  # noqa: N818 - a verdict, not a fault
     """The next epoch would have fewer than ``min_world_size`` members."""
 
