@@ -241,3 +241,20 @@ def test_torchrun_passes_the_coordinator_to_its_workers(served: Served, tmp_path
         s = Settings.from_env(worker)
         assert (s.coordinator, s.elastic, s.min_world_size) == (served.target, True, 2)
         assert s.torchrun_run_id == "job-7"
+
+
+def test_the_torch_backends_elastic_refusal_names_the_torchrun_route(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Under torchrun's ferrogrpc rendezvous FERROGRPC_ELASTIC is set, and
+    # init_process_group("ferrogrpc") (fixed groups) says what to use.
+    from types import SimpleNamespace
+
+    from ferrogrpc.wrappers.process_group import create
+
+    monkeypatch.setenv("FERROGRPC_ELASTIC", "1")
+    opts = SimpleNamespace(store=None, group_rank=0, group_size=2)
+    with pytest.raises(fg.ConfigError, match="does not support elastic groups") as caught:
+        create(opts, None)
+    assert "--rdzv-backend=ferrogrpc" in str(caught.value)
+    assert "fg.init_backend(elastic=True)" in str(caught.value)

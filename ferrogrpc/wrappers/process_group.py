@@ -664,8 +664,11 @@ def create(dist_opts: Any, pg_options: Any) -> FerroProcessGroup:
         raise ConfigError(
             "the torch.distributed backend does not support elastic groups "
             "(FERROGRPC_ELASTIC is set): a torch process group has a fixed world size. "
-            "Elastic training is supported with fg.init_backend(coordinator=..., "
-            "elastic=True) and fg.DDP, with fg.ElasticState for joiners",
+            "Elastic training is supported with fg.init_backend(elastic=True) and fg.DDP, "
+            "with fg.ElasticState for joiners. Under torchrun, launch with "
+            "--rdzv-backend=ferrogrpc --rdzv-endpoint=HOST:PORT (a `ferrogrpc coordinator`; "
+            "docs/launchers.md): a failure restarts only its own node's workers and new "
+            "nodes join live; elsewhere pass coordinator='HOST:PORT'",
             rank=rank,
             world_size=world,
         )
