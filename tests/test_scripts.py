@@ -18,6 +18,10 @@ RUNS: dict[str, tuple[list[str], str]] = {
         "MiB",
     ),
     "elastic_soak.py": (["--nproc", "2", "--burners", "0", "--seconds", "3"], "OK: nobody removed"),
+    "fsdp_elastic_overhead.py": (
+        ["--params", "2e5", "--nproc", "2", "--repeats", "1", "--steps", "3", "--warmup", "1"],
+        "elastic / fixed step time",
+    ),
     "gen_proto.py": (["--check"], ""),
     "grpc_ceiling.py": (
         ["--world-size", "2", "--mib", "2", "--chunk-kib", "256", "--start-delay", "3"],
@@ -34,7 +38,8 @@ RUNS: dict[str, tuple[list[str], str]] = {
     "own_cost.py": (["--world-size", "2", "--mib", "1", "--iters", "1"], "ms"),
     "small_cpu.py": (["--world", "2", "--calls", "20"], "us"),
 }
-OWN_TEST = {"gpu_check.py"}
+# (elastic_chaos.py's engine runs in tests/test_restart.py.)
+OWN_TEST = {"gpu_check.py", "elastic_chaos.py"}
 
 
 def test_every_script_has_a_smoke_run() -> None:
