@@ -114,8 +114,10 @@ class Chaos:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.killed: set[int] = set()
         self.problems: list[str] = []
-        # Steps whose contributors' slices overlapped (see check).
+        # Steps whose contributors' slices overlapped, and steps with a
+        # contributor killed before it printed its line (see check).
         self.overlaps: list[int] = []
+        self.silent_contributors: list[int] = []
 
     # ------------------------------------------------------------ processes
 
@@ -345,6 +347,7 @@ def check(chaos: Chaos, codes: list[int | None]) -> list[str]:
     sys.path.insert(0, str(RANK.parent))
     import elastic_train
     import torch
+    from elastic_train import BATCH
     from torch import nn
 
     problems = list(chaos.problems)
@@ -358,11 +361,27 @@ def check(chaos: Chaos, codes: list[int | None]) -> list[str]:
     missing = [s for s in range(chaos.steps) if s not in by_step]
     if missing:
         problems.append(f"steps never completed: {missing[:20]}")
+    # The killed processes, by the last step each completed.
+    last_step_killed: dict[int, list[int]] = {}
+    for n in chaos.killed:
+        done = [d["step"] for d in chaos.lines(n) if "idx" in d]
+        last_step_killed.setdefault(max(done, default=-1), []).append(n)
     for step, lines in sorted(by_step.items()):
-        procs = [d["proc"] for d in lines]
+        procs = [d.get("proc") for d in lines]
         if len(set(procs)) != len(procs):
             problems.append(f"step {step} completed twice by one process: {procs}")
         worlds = {d["world"] for d in lines}
+        if len(worlds) == 1 and len(lines) < next(iter(worlds)):
+            # A member killed after its sync was committed, before it printed
+            # its line: it contributed its slice (rank::world) to the step.
+            world = next(iter(worlds))
+            missing = sorted(set(range(world)) - {d["rank"] for d in lines})
+            if len(missing) <= len(last_step_killed.get(step - 1, [])):
+                chaos.silent_contributors.append(step)
+                lines.extend(
+                    {"idx": list(range(r, BATCH, world)), "world": world, "rank": r}
+                    for r in missing
+                )
         if worlds != {len(lines)}:
             problems.append(f"step {step}: {len(lines)} contributors, world sizes {sorted(worlds)}")
         seen: set[int] = set()
@@ -376,7 +395,7 @@ def check(chaos: Chaos, codes: list[int | None]) -> list[str]:
                 chaos.overlaps.append(step)
                 break
             seen |= set(d["idx"])
-        if len({d["params"] for d in lines}) != 1:
+        if len({d["params"] for d in lines if "params" in d}) != 1:
             problems.append(f"step {step}: members' parameters differ after it")
     if missing or any(p.startswith("step") for p in problems):
         return problems
@@ -486,6 +505,11 @@ def main() -> int:
         f"{len(chaos.procs)} processes ({len(chaos.killed)} killed), "
         f"{chaos.coordinators} coordinators, {took:.0f}s"
         + (f"; steps begun as the world changed: {chaos.overlaps}" if chaos.overlaps else "")
+        + (
+            f"; contributors killed before their line: steps {chaos.silent_contributors}"
+            if chaos.silent_contributors
+            else ""
+        )
     )
     if problems:
         print(f"FAILED: {len(problems)} violations (logs in {tmp})")
