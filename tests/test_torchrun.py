@@ -41,7 +41,7 @@ class Node:
                 f"--nnodes={job.nnodes}",
                 f"--nproc-per-node={nproc}",
                 f"--max-restarts={job.max_restarts}",
-                *("--rdzv-backend=ferrogrpc", f"--rdzv-endpoint=127.0.0.1:{job.port}"),
+                *(f"--rdzv-backend={job.rdzv}", f"--rdzv-endpoint=127.0.0.1:{job.port}"),
                 *("--rdzv-id=issue58", f"--local-addr={addr}", "--monitor-interval=0.1"),
                 *(f"--log-dir={self.logs}", "--redirects=3"),
                 str(job.script),
@@ -103,10 +103,11 @@ class TorchrunJob:
         nnodes: str,
         script: Path = RANKS / "elastic_train.py",
         max_restarts: int = 5,
-        coordinator_args: tuple[str, ...] = (),
+        rdzv: str = "ferrogrpc",
         **env: str,
     ) -> None:
         self.tmp = tmp
+        self.rdzv = rdzv
         self.nnodes = nnodes
         self.script = script
         self.max_restarts = max_restarts
@@ -120,16 +121,20 @@ class TorchrunJob:
             LOGLEVEL="INFO",  # torchrun's agents say when they restart workers
             **env,
         )
-        self.coordinator = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "server", "--world-size", str(world_size)),
-                *("--host", "127.0.0.1", "--port", str(self.port), *coordinator_args),
-            ],
-            cwd=ROOT,
-            env={**self.env, "PYTHONPATH": str(ROOT)},
-            stdout=open(tmp / "coordinator.log", "wb"),  # noqa: SIM115
-            stderr=subprocess.STDOUT,
-        )
+        # torchrun's own c10d rendezvous (the anchor) needs no coordinator:
+        # its agents serve the store at the endpoint.
+        self.coordinator = None
+        if rdzv == "ferrogrpc":
+            self.coordinator = subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "server", "--world-size", str(world_size)),
+                    *("--host", "127.0.0.1", "--port", str(self.port)),
+                ],
+                cwd=ROOT,
+                env={**self.env, "PYTHONPATH": str(ROOT)},
+                stdout=open(tmp / "coordinator.log", "wb"),  # noqa: SIM115
+                stderr=subprocess.STDOUT,
+            )
         self.nodes: dict[str, Node] = {}
 
     def start(self, name: str, addr: str, nproc: int = 2) -> Node:
@@ -167,7 +172,7 @@ class TorchrunJob:
             if node.proc.poll() is None:
                 node.kill()
             node.out.close()
-        if self.coordinator.poll() is None:
+        if self.coordinator is not None and self.coordinator.poll() is None:
             self.coordinator.kill()
             self.coordinator.wait()
 
@@ -214,9 +219,12 @@ def test_torchrun_restarts_a_nodes_workers_only_and_nodes_come_and_go_live(
             "node a's restarted workers never trained with node b's",
         )
         back = min(d["t"] for d in a.lines() if d["attempt"] == 1 and d.get("world") == 4)
+        # The survivors' first step without the dead worker's share.
+        survivors = min(d["t"] for d in b.lines() if d.get("world", 4) < 4 and d["t"] > t_kill)
         report(
-            f"torchrun (ferrogrpc rendezvous), a worker SIGKILLed: its node's restarted "
-            f"workers trained with the group {back - t_kill:.1f}s later (process start-up)"
+            f"torchrun (ferrogrpc rendezvous), a worker SIGKILLed: the other node's next step "
+            f"{survivors - t_kill:.2f}s later, no restart; its own node's restarted workers "
+            f"trained with the group {back - t_kill:.1f}s later (process start-up)"
         )
         # 2. Node a dies whole; b trains on.
         a.kill()
@@ -287,3 +295,64 @@ def test_below_the_minimum_nodes_torchrun_exits_non_zero(tmp_path: Path) -> None
     assert "is over" in agent and "quorum lost" in agent, agent
     assert b.attempts() == {0}, job.output()  # closed before any restart
     assert took < 30, took
+
+
+@pytest.mark.timeout(240)
+def test_the_anchor_torchruns_own_rendezvous_restarts_every_worker_from_a_checkpoint(
+    tmp_path: Path, report: Callable[[str], None]
+) -> None:
+    # The anchor: the same two nodes of two workers, the same model, data
+    # and kill, under torchrun's own c10d rendezvous (--nnodes=2, its fixed
+    # form: a growing one waits its last-call timeout, 30 s, first). One
+    # worker's death restarts every worker on every node; they resume from
+    # rank 0's checkpoint of the last step.
+    kill_file = tmp_path / "kill-now"
+    job = TorchrunJob(
+        tmp_path,
+        world_size=4,
+        nnodes="2",
+        rdzv="c10d",
+        script=RANKS / "c10d_train.py",
+        STEPS="400",
+        PACE="0.2",
+        KILL_FILE=str(kill_file),
+        FILE_KILL_RANK="1",
+        # torch's own DDP over gloo: the anchor is torchrun's own stack (and
+        # a store of its own each round: the round's workers never read the
+        # last round's keys).
+        DDP="gloo",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
+    try:
+        a = job.start("a", "127.0.0.1")
+        job.start("b", "127.0.0.2")
+        job.wait_for(
+            lambda: len([d for d in job.steps() if d["step"] >= 3]) >= 4, 90, "no training"
+        )
+        ends = sorted({d["t"] for d in job.steps() if d["rank"] == 0})
+        step_time = ends[-1] - ends[-2]
+        before = {d["pid"] for d in job.lines() if d.get("event") == "start"}
+        kill_file.touch()
+        killed = job.wait_for(
+            lambda: [d for d in job.lines() if d.get("event") == "kill"], 30, "no kill"
+        )[0]
+        resumed = job.wait_for(
+            lambda: [d for d in job.steps() if d["t"] > killed["t"] + 0.5 and d["world"] == 4],
+            120,
+            "no step after the restart",
+        )
+        # (A node whose restart count stays 0, restarted for the other's
+        # sake, writes its new workers' logs over its first attempt's.)
+        starts = [d for d in job.lines() if d.get("event") == "start" and d["t"] > killed["t"]]
+    finally:
+        job.close()
+    after = min(d["t"] for d in resumed) - killed["t"]
+    report(
+        f"anchor, torchrun's c10d rendezvous, a worker SIGKILLed: every worker restarted, the "
+        f"next step {after:.1f}s later, resumed from the checkpoint (step {step_time:.2f}s)"
+    )
+    # Every worker of both nodes was restarted (new processes), none kept,
+    # and each resumed from the checkpoint.
+    assert len(before) == 4 and len(starts) == 4 and not before & {d["pid"] for d in starts}
+    assert all(d["resumed"] > 0 for d in starts), starts
+    assert a.attempts() == {0, 1}, job.output()
