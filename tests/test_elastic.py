@@ -270,7 +270,12 @@ def test_a_spare_segment_is_made_where_the_next_epoch_may_share_the_host() -> No
         def __init__(self, data_path: str, world_size: int) -> None:
             self.data_path, self.world_size = data_path, world_size
 
+    from ferrogrpc.samehost import segment
+
     class Spare:
+        # The rule under test; what it asks for is recorded.
+        prepare_next = segment.Spare.prepare_next
+
         def __init__(self) -> None:
             self.prepared: list[int] = []
 

@@ -41,7 +41,7 @@ from ..errors import (
     ShardLostError,
 )
 from ..observe import metrics
-from ..runtime.backend import Backend, prepare
+from ..runtime.backend import COLLECTIVES, Backend, prepare
 from ..runtime.join import Ahead, close_channels
 from ..runtime.peer import Peer, observer_of
 from ..samehost.plane import segment_bytes
@@ -114,6 +114,7 @@ class ElasticBackend:
         self._last_target = 0
         # Whether this epoch's collectives carry the step (see _stamp).
         self._stamped = False
+        self._starting: tuple[EpochRendezvous, concurrent.futures.Future[Peer]] | None = None
         client.on_heartbeat = self._on_heartbeat
         # The metrics port serves on between epochs (observe/metrics.py).
         self._release_metrics = metrics.hold(settings)
@@ -177,7 +178,7 @@ class ElasticBackend:
     def __getattr__(self, name: str) -> Any:
         # The collectives (all_reduce, broadcast, ...) are the current
         # epoch's Backend's.
-        if name in _COLLECTIVES:
+        if name in COLLECTIVES:
             return getattr(self._require(), name)
         raise AttributeError(f"'ElasticBackend' object has no attribute {name!r}")
 
@@ -233,10 +234,14 @@ class ElasticBackend:
             ),
             self._loop,
         )
+        self._starting = (rendezvous, starting)
         try:
             # A joiner may wait as a hot spare: its Enter bounds its own wait.
             peer = starting.result(None if reason == rpb.ENTER_JOIN else s.timeouts.connect + 30)
         except BaseException as exc:
+            if isinstance(exc, concurrent.futures.CancelledError) and rendezvous.response:
+                # (_on_heartbeat: the epoch being started is replaced already.)
+                exc = PeerError("a member of this epoch could not start in it", rank=self.rank)
             starting.cancel()
             with contextlib.suppress(BaseException):
                 starting.result(timeout=10)
@@ -252,6 +257,8 @@ class ElasticBackend:
             ):
                 raise StartFailed(formed, exc) from exc
             raise
+        finally:
+            self._starting = None
         response = rendezvous.response
         assert response is not None
         with self._lock:
@@ -608,7 +615,12 @@ class ElasticBackend:
     def _on_heartbeat(self, response: rpb.HeartbeatResponse) -> None:
         """On the heartbeat thread: connect to the joiners that wait; break
         this epoch's peer if the group moves on without finishing it
-        (members removed), or without this process."""
+        (members removed), or without this process; stop starting an epoch
+        that is replaced already (a member of it could not start)."""
+        starting = self._starting
+        formed = starting[0].response if starting is not None else None
+        if starting and formed and response.recover_pending and response.epoch == formed.epoch:
+            starting[1].cancel()
         current = self._current
         if current is None or self._epoch == 0:
             return
@@ -677,22 +689,3 @@ class ElasticBackend:
     def __repr__(self) -> str:
         m = self._membership
         return f"<ferrogrpc.ElasticBackend rank {self.rank}/{m.world_size} epoch {m.epoch}>"
-
-
-_COLLECTIVES = frozenset(
-    {
-        "all_reduce",
-        "all_gather",
-        "all_gather_into_tensor",
-        "reduce_scatter",
-        "reduce_scatter_tensor",
-        "all_reduce_coalesced",
-        "broadcast",
-        "barrier",
-        "all_to_all_single",
-        "send",
-        "recv",
-        "recv_any",
-        "submit",
-    }
-)

@@ -565,3 +565,24 @@ def start_backend(
             raise RendezvousError(f"the group did not form within {connect + 30:g}s") from exc
         raise
     return Backend(peer, loop, thread)
+
+
+# The Backend's calls that run in its group (an elastic backend forwards
+# them to its current epoch's Backend).
+COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_reduce_coalesced",
+        "broadcast",
+        "barrier",
+        "all_to_all_single",
+        "send",
+        "recv",
+        "recv_any",
+        "submit",
+    }
+)
