@@ -1,4 +1,4 @@
-"""``ferrogrpc demo --elastic``: training that survives a lost rank.
+"""``ferrogrpc demo --elastic [--fsdp]``: training that survives a lost rank.
 
 Starts a coordinator and N local ranks (4 by default) in an elastic group,
 trains the demo's MLP with DDP, SIGKILLs one rank a third of the way in,
@@ -8,6 +8,16 @@ at every step, and that the result equals single-process training on the
 samples that contributed to each step (the kill step: the survivors'
 slices only). It writes a PNG of the loss with the death and the join
 marked.
+
+With ``--fsdp`` the ranks train with FSDP, every Linear a unit
+(docs/elastic.md, "Elastic FSDP"): the lost rank's shards are re-laid over
+the survivors from the copies their buddies keep, the step it died in runs
+again over the survivors, and the replacement receives shards of its own.
+No rank holds the whole model between steps, so the check is shard by
+shard: at every step each member's slice loss and the sum of the shards it
+holds equal single-process training's, every slice of the batch was
+trained once, and at the end the whole model is the same on every member
+and equal to single-process training's.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +59,7 @@ class Group:
             "PYTHONUNBUFFERED": "1",
         }
         self.cmd = [sys.executable, "-m", "client.train", "--elastic", "--steps", str(args.steps)]
+        self.cmd += ["--mode", "fsdp" if args.fsdp else "ddp"]
         self.cmd += ["--batch", str(args.batch), "--lr", str(args.lr)]
         self.cmd += ["--hidden", str(args.hidden), "--step-sleep", str(args.step_sleep)]
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -114,7 +126,14 @@ def reference(args: argparse.Namespace, slices: dict[int, list[tuple[int, int]]]
     return losses
 
 
-def plot(path: Path, members: list[float], ref: list[float], died: int, joined: int) -> None:
+def plot(
+    path: Path,
+    members: list[float],
+    ref: list[float],
+    died: int,
+    joined: int,
+    fsdp: bool = False,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -122,13 +141,18 @@ def plot(path: Path, members: list[float], ref: list[float], died: int, joined: 
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     ax.plot(range(len(ref)), ref, color="black", linewidth=3.0, label="single process")
-    ax.plot(range(len(members)), members, "--", color="tab:blue", label="elastic group (DDP)")
+    mode = "FSDP" if fsdp else "DDP"
+    ax.plot(range(len(members)), members, "--", color="tab:blue", label=f"elastic group ({mode})")
     ax.axvline(died, color="tab:red", linestyle=":", label=f"rank killed (step {died})")
     ax.axvline(joined, color="tab:green", linestyle=":", label=f"joiner's first step ({joined})")
     ax.set_yscale("log")
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (MSE, whole batch)")
-    ax.set_title("ferrogrpc demo --elastic: a rank lost, a replacement joins")
+    if fsdp:
+        ax.set_ylabel("training loss (MSE, the step's slices, before it)")
+    else:
+        ax.set_ylabel("training loss (MSE, whole batch)")
+    name = "ferrogrpc demo --elastic --fsdp" if fsdp else "ferrogrpc demo --elastic"
+    ax.set_title(f"{name}: a rank lost, a replacement joins")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -136,10 +160,15 @@ def plot(path: Path, members: list[float], ref: list[float], died: int, joined: 
     plt.close(fig)
 
 
+def _name(args: argparse.Namespace) -> str:
+    return "ferrogrpc demo --elastic --fsdp" if args.fsdp else "ferrogrpc demo --elastic"
+
+
 def run(args: argparse.Namespace) -> int:
     out_png = Path(args.plot).resolve()
+    mode = "FSDP (units: every Linear; every shard held twice)" if args.fsdp else "DDP"
     print(
-        f"ferrogrpc demo --elastic: a coordinator and {args.nproc} ranks, {args.steps} DDP "
+        f"{_name(args)}: a coordinator and {args.nproc} ranks, {args.steps} {mode} "
         f"steps; one rank is killed at step {args.steps // 3}, then a replacement joins",
         flush=True,
     )
@@ -185,10 +214,12 @@ def run(args: argparse.Namespace) -> int:
             group.close()
         ok_codes = all(c == 0 for i, c in enumerate(codes) if i != victim)
         if not ok_codes or died_step < 0 or joined_step < 0:
-            print(f"ferrogrpc demo --elastic: FAILED: exit codes {codes}")
+            print(f"{_name(args)}: FAILED: exit codes {codes}")
             for n in range(len(group.procs)):
                 print((Path(tmp) / f"rank-process{n}.log").read_text()[-2000:])
             return 1
+        if args.fsdp:
+            return check_fsdp(args, group.lines(), died_step, joined_step, out_png)
         return check(args, group.lines(), died_step, joined_step, out_png)
 
 
@@ -225,6 +256,120 @@ def check(
     return 0 if ok else 1
 
 
+@dataclass
+class FsdpReference:
+    """What single-process training gives for what FSDP members log: each
+    (step, rank, world_size) slice's loss before the step and the sum of
+    that rank's shards after it; the group's loss at each step (the mean
+    over its slices); the sum of every parameter at the end."""
+
+    slice_losses: dict[tuple[int, int, int], float]
+    shard_sums: dict[tuple[int, int, int], float]
+    losses: list[float]
+    final: float
+
+
+def reference_fsdp(
+    args: argparse.Namespace, slices: dict[int, list[tuple[int, int]]]
+) -> FsdpReference:
+    """Single-process training as :func:`reference`'s, recording what an
+    FSDP member logs. A rank's shards are FSDP's layout: each flattened
+    parameter cut into world_size pieces of ceil(numel / world_size)
+    elements, rank r holding the r-th (the last padded with zeros)."""
+    from torch import nn
+
+    from client.train import build_model, global_batch, make_optimizer
+
+    model = build_model(args.hidden)
+    opt = make_optimizer(model.parameters(), args.lr)
+    out = FsdpReference({}, {}, [], 0.0)
+    for step in range(args.steps):
+        x, y = global_batch(step, args.batch)
+        opt.zero_grad()
+        parts = slices[step]
+        losses = [nn.functional.mse_loss(model(x[r::w]), y[r::w]) for r, w in parts]
+        (sum(losses) / len(parts)).backward()  # type: ignore[union-attr]
+        opt.step()
+        out.losses.append(sum(float(v.item()) for v in losses) / len(parts))
+        flats = [p.detach().reshape(-1) for p in model.parameters()]
+        for (r, w), loss in zip(parts, losses, strict=True):
+            out.slice_losses[step, r, w] = float(loss.item())
+            total = 0.0
+            for flat in flats:
+                n = -(-flat.numel() // w)
+                total += float(flat[r * n : (r + 1) * n].sum().item())
+            out.shard_sums[step, r, w] = total
+    out.final = sum(float(p.detach().sum().item()) for p in model.parameters())
+    return out
+
+
+def check_fsdp(
+    args: argparse.Namespace,
+    lines: list[dict[str, Any]],
+    died: int,
+    joined: int,
+    out_png: Path,
+) -> int:
+    """FSDP's check, shard by shard (see the module docstring)."""
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for d in lines:
+        if "step" in d:
+            by_step.setdefault(d["step"], []).append(d)
+    if sorted(by_step) != list(range(args.steps)):
+        print(f"{_name(args)}: FAILED: steps kept: {sorted(by_step)}")
+        return 1
+    # Every slice of the batch once: the members' (rank, world_size) are
+    # exactly the world's, with no rank twice.
+    whole = all(
+        sorted(tuple(d["slice"]) for d in ds) == [(r, len(ds)) for r in range(len(ds))]
+        for ds in by_step.values()
+    )
+    if not whole:
+        bad = next(
+            s
+            for s, ds in sorted(by_step.items())
+            if sorted(tuple(d["slice"]) for d in ds) != [(r, len(ds)) for r in range(len(ds))]
+        )
+        print(f"{_name(args)}: FAILED: step {bad}'s slices are not the batch's, once each:")
+        for d in by_step[bad]:
+            print(f"  {d}")
+        return 1
+    slices = {s: [tuple(d["slice"]) for d in ds] for s, ds in by_step.items()}
+    ref = reference_fsdp(args, slices)
+
+    def key(s: int, d: dict[str, Any]) -> tuple[int, int, int]:
+        return s, int(d["slice"][0]), int(d["slice"][1])
+
+    loss_diff = max(
+        abs(d["slice_loss"] - ref.slice_losses[key(s, d)]) for s, ds in by_step.items() for d in ds
+    )
+    shard_diff = max(
+        abs(d["shard_sum"] - ref.shard_sums[key(s, d)]) for s, ds in by_step.items() for d in ds
+    )
+    finals = [d["checksum"] for d in lines if d.get("event") == "done"]
+    final_same = bool(finals) and len(set(finals)) == 1
+    final_diff = abs(finals[0] - ref.final) if finals else float("inf")
+    worlds = [len(by_step[s]) for s in range(args.steps)]
+    members = [sum(d["slice_loss"] for d in by_step[s]) / worlds[s] for s in range(args.steps)]
+    rows = [
+        ("steps kept", f"{args.steps} of {args.steps}"),
+        ("world size (start, after kill, end)", f"{worlds[0]}, {worlds[died]}, {worlds[-1]}"),
+        ("every slice trained once every step", "yes" if whole else "NO"),
+        ("max |loss diff| vs single process", f"{loss_diff:.2e} (tolerance {TOLERANCE:g})"),
+        ("max |shard sum diff| vs single process", f"{shard_diff:.2e}"),
+        ("final model the same on every member", "yes" if final_same else "NO"),
+        ("|final model sum diff| vs single process", f"{final_diff:.2e}"),
+    ]
+    print()
+    for label, value in rows:
+        print(f"{label:<40} {value}")
+    ok = final_same and max(loss_diff, shard_diff, final_diff) <= TOLERANCE
+    plot(out_png, members, ref.losses, died, joined, fsdp=True)
+    print(f"loss curve written to {out_png}")
+    print(f"{_name(args)}: " + ("check PASSED" if ok else "check FAILED"))
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ferrogrpc demo --elastic",
@@ -239,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-sleep", type=float, default=0.05)
     parser.add_argument("--plot", default="ferrogrpc-elastic-loss.png")
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="train with FSDP (units: every Linear), every shard held twice and re-sharded "
+        "in memory when the group changes",
+    )
     return run(parser.parse_args(argv))
 
 

@@ -169,6 +169,47 @@ def train_elastic(
     return ddp, losses
 
 
+def train_elastic_fsdp(
+    backend: fg.ElasticBackend,
+    steps: int,
+    batch: int,
+    lr: float,
+    hidden: int = 64,
+    seed: int = 0,
+    on_step: object = None,
+    step_sleep: float = 0.0,
+) -> tuple[nn.Module, list[float]]:
+    """Train ``steps`` steps in an elastic group with FSDP, every Linear a
+    unit (docs/elastic.md, "Elastic FSDP"): each shard is also kept by a
+    buddy, so a lost rank's shards are re-laid over the survivors in
+    memory, and a joiner receives its own. A step whose group changed
+    while it ran is void (every ``.grad`` None) and runs again over the new
+    group. No rank holds the whole model between steps, so each step's loss
+    is this rank's slice's, before the step (the group's loss is the mean
+    over the members' slices). Returns the wrapper and those losses."""
+    model = build_model(hidden, seed)
+    fsdp = fg.FSDP(model, backend, units={nn.Linear})  # type: ignore[arg-type]
+    opt = make_optimizer(fsdp.parameters(), lr)
+    state = fg.ElasticState(fsdp, opt)
+    losses = []
+    for step in state.steps(steps):
+        x, y = global_batch(step, batch, seed)
+        rank, world = backend.rank, backend.world_size
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(fsdp(x[rank::world]), y[rank::world])
+        loss.backward()  # type: ignore[no-untyped-call]
+        fsdp.sync_gradients()
+        if all(p.grad is None for p in fsdp.parameters()):
+            continue  # void: steps() yields this step again, over the new group
+        opt.step()
+        losses.append(float(loss.item()))
+        if callable(on_step):
+            on_step(step, losses[-1], fsdp, (rank, world))
+        if step_sleep:
+            time.sleep(step_sleep)
+    return fsdp, losses
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -182,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--elastic",
         action="store_true",
-        help="an elastic group (also FERROGRPC_ELASTIC=1): needs a coordinator; DDP only",
+        help="an elastic group (also FERROGRPC_ELASTIC=1): needs a coordinator",
     )
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds after each step")
     args = parser.parse_args(argv)
@@ -219,25 +260,35 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_elastic(args: argparse.Namespace, start: float) -> int:
-    if args.mode != "ddp":
-        raise fg.ConfigError("an elastic group trains with DDP only (--mode ddp)")
+    """An elastic group: DDP's records carry the whole batch's loss after
+    the step and the parameters' checksum, the same on every member;
+    FSDP's carry this rank's slice loss and the sum of its shards (its own
+    part of the model), and its last record the whole model's checksum."""
+    fsdp = args.mode == "fsdp"
     with fg.init_backend(elastic=True) as backend:
         emit({"event": "joined", "address": backend.address, "member": not backend.joining})
 
         def log(step: int, loss: float, wrapper: nn.Module, part: tuple[int, int]) -> None:
-            emit(
-                {
-                    "rank": backend.rank,
-                    "world_size": backend.world_size,
-                    "epoch": backend.membership.epoch,
-                    "slice": part,  # (rank, world_size) when the step began
-                    "step": step,
-                    "loss": round(loss, 12),
-                    "checksum": checksum(wrapper, backend),  # type: ignore[arg-type]
-                }
-            )
+            record: dict[str, object] = {
+                "rank": backend.rank,
+                "world_size": backend.world_size,
+                "epoch": backend.membership.epoch,
+                "slice": part,  # (rank, world_size) when the step began
+                "step": step,
+            }
+            if fsdp:
+                # Local: a collective here, after the step, could fail
+                # outside the step's recovery.
+                shards = torch.cat([p.detach().reshape(-1) for p in wrapper.parameters()])
+                record["slice_loss"] = round(loss, 12)
+                record["shard_sum"] = float(shards.double().sum().item())
+            else:
+                record["loss"] = round(loss, 12)
+                record["checksum"] = checksum(wrapper, backend)  # type: ignore[arg-type]
+            emit(record)
 
-        train_elastic(
+        train_fn = train_elastic_fsdp if fsdp else train_elastic
+        wrapper, _ = train_fn(
             backend,
             args.steps,
             args.batch,
@@ -247,7 +298,14 @@ def main_elastic(args: argparse.Namespace, start: float) -> int:
             on_step=log,
             step_sleep=args.step_sleep,
         )
-        emit({"event": "done", "rank": backend.rank, "seconds": round(time.monotonic() - start, 3)})
+        done: dict[str, object] = {
+            "event": "done",
+            "rank": backend.rank,
+            "seconds": round(time.monotonic() - start, 3),
+        }
+        if fsdp:
+            done["checksum"] = checksum(wrapper, backend)  # type: ignore[arg-type]
+        emit(done)
     return 0
 
 
