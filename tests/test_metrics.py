@@ -35,7 +35,7 @@ from ferrogrpc.env import Settings
 from ferrogrpc.errors import Identity
 from ferrogrpc.observe import flight, metrics
 from ferrogrpc.observe.flight import Entry
-from ferrogrpc.observe.observer import DDP_BUCKET_WAIT, Observer, Span
+from ferrogrpc.observe.observer import DDP_BUCKET_WAIT, FSDP_RESHARD, Observer, Span
 from ferrogrpc.observe.stats import TCP_MESH, Stats
 from ferrogrpc.runtime.peer import Peer, observer_of
 from ferrogrpc.testing import Fault, FaultKind, local_group
@@ -533,3 +533,87 @@ def test_byte_counters_keep_every_retired_epochs_bytes() -> None:
         for observer in observers:
             observer.close()
         release()
+
+
+def test_an_elastic_fsdp_reshard_is_counted_and_its_seconds_kept() -> None:
+    # Issue 57 item 7: a re-shard is a span (FSDP_RESHARD) on the new
+    # epoch's observer; the metrics count them and keep the last one's
+    # seconds, never as a wait. The counter is there, at 0, before the
+    # first; the gauge appears with it.
+    settings = Settings(metrics_port=0)
+    observer = Observer(Identity(1, 3, ["h:0", "h:1", "h:2"]))
+    try:
+        server = metrics.attach(observer, settings)
+        assert server is not None
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        before = scrape(url)
+        assert ("ferrogrpc_fsdp_reshards_total", frozenset({("rank", "1")})) in before
+        assert value(before, "ferrogrpc_fsdp_reshards_total", rank=1) == 0
+        assert not [k for k in before if k[0] == "ferrogrpc_fsdp_last_reshard_seconds"]
+        observer.record(FSDP_RESHARD, "re-shard 4 -> 3 ranks", 1000.0, 1000.75, elements=9)
+        observer.record(FSDP_RESHARD, "re-shard 3 -> 4 ranks", 2000.0, 2000.25, elements=9)
+        after = scrape(url)
+        assert value(after, "ferrogrpc_fsdp_reshards_total", rank=1) == 2
+        assert value(after, "ferrogrpc_fsdp_last_reshard_seconds", rank=1) == 0.25
+        waits = [k for k in after if k[0].startswith("ferrogrpc_fsdp_") and "wait" in k[0]]
+        assert all(after[k] == 0 for k in waits), waits
+    finally:
+        observer.close()
+
+
+@pytest.mark.timeout(150)
+def test_a_joiners_reshard_shows_in_every_members_metrics_and_trace(tmp_path: Path) -> None:
+    # Issue 57 item 7, with real processes (tests/ranks/elastic_fsdp.py):
+    # two members of an elastic FSDP, then a joiner. Every member of the
+    # grown group counts one re-shard and its seconds on its metrics port
+    # (the members' places kept across epochs: port + 0, + 1; the joiner's
+    # + 2), and its trace shows the re-shard as a slice with its epoch,
+    # world sizes and elements; the point-to-point messages that moved the
+    # shards are in the same file.
+    from ferrogrpc.observe import trace
+    from tests.test_elastic_fsdp import FsdpRun
+
+    port = free_port()
+    traces = tmp_path / "trace"
+    run = FsdpRun(
+        tmp_path,
+        2,
+        STEPS="80",
+        SLOW="0",
+        PACE="0.1",
+        FERROGRPC_METRICS_PORT=str(port),
+        FERROGRPC_TRACE=str(traces),
+    )
+    try:
+        run.wait_for(lambda: [d for d in run.lines() if d.get("step", 0) >= 3], 60, "no steps")
+        run.start_rank()
+        run.wait_for(lambda: [d for d in run.lines(2) if "idx" in d], 60, "the joiner trains")
+        scraped = [scrape(f"http://127.0.0.1:{port + k}/metrics") for k in range(3)]
+        codes = run.finish(90)
+    finally:
+        run.close()
+    assert codes == [0, 0, 0], (codes, run.output())
+    for k, samples in enumerate(scraped):
+        counts = {
+            dict(labels)["rank"]: v
+            for (name, labels), v in samples.items()
+            if name == "ferrogrpc_fsdp_reshards_total"
+        }
+        assert list(counts.values()) == [1], (k, counts)
+        (rank,) = counts
+        assert value(samples, "ferrogrpc_membership_epoch", rank=rank) >= 2, k
+        seconds = value(samples, "ferrogrpc_fsdp_last_reshard_seconds", rank=rank)
+        assert 0 < seconds < 30, (k, seconds)
+    grown = []
+    for path in trace.trace_files(traces):
+        events = trace.load(path)["traceEvents"]
+        slices = [e for e in events if e.get("cat") == FSDP_RESHARD]
+        if slices:
+            (reshard,) = slices
+            assert reshard["args"]["world_size"] == 3, reshard
+            assert reshard["args"]["from_world_size"] == 2, reshard
+            assert reshard["args"]["elements"] > 0, reshard
+            sends = [e for e in events if e.get("cat") == "collective" and e["name"] == "send"]
+            assert sends, f"{path}: no point-to-point message"
+            grown.append(reshard["args"]["epoch"])
+    assert len(grown) == 3 and len(set(grown)) == 1, grown

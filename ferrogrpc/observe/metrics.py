@@ -28,7 +28,11 @@ Every series carries a ``rank`` label:
   and ``ferrogrpc_fsdp_reduce_wait_seconds``: histograms of the waits the
   wrappers name (observer.py's span categories);
 - ``ferrogrpc_world_size`` and ``ferrogrpc_membership_epoch`` (0 outside an
-  elastic group).
+  elastic group);
+- ``ferrogrpc_fsdp_reshards_total`` and ``ferrogrpc_fsdp_last_reshard_seconds``
+  (elastic FSDP): the re-shards this rank took part in at a new epoch, and
+  how long the last took, from its first message to the new layout in
+  effect (its span, ``FSDP_RESHARD``: the gauge appears with the first).
 
 One server per port, per process, shared by every rank the process runs
 and by every epoch of an elastic member: a new epoch's observer takes over
@@ -59,7 +63,14 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from ..env import Settings
 from ..errors import Identity
 from .flight import FAILED, Entry
-from .observer import DDP_BUCKET_WAIT, FSDP_GATHER_WAIT, FSDP_REDUCE_WAIT, Observer, Span
+from .observer import (
+    DDP_BUCKET_WAIT,
+    FSDP_GATHER_WAIT,
+    FSDP_REDUCE_WAIT,
+    FSDP_RESHARD,
+    Observer,
+    Span,
+)
 from .stats import Stats
 
 logger = logging.getLogger("ferrogrpc")
@@ -158,6 +169,8 @@ class RankMetrics:
         self.latency: dict[tuple[str, str], Histogram] = {}
         self.failures: dict[tuple[str, str], int] = {}
         self.waits: dict[str, Histogram] = {}
+        self.reshards = 0
+        self.last_reshard: float | None = None
 
     # The sinks: on whatever thread ended the collective or the wait.
 
@@ -175,6 +188,10 @@ class RankMetrics:
             self.failures[fail] = self.failures.get(fail, 0) + 1
 
     def on_span(self, span: Span) -> None:
+        if span.cat == FSDP_RESHARD:
+            self.last_reshard = max(0.0, span.end - span.start)
+            self.reshards += 1
+            return
         if span.cat not in WAITS:
             return
         hist = self.waits.get(span.cat)
@@ -283,6 +300,17 @@ def _families(ranks: list[RankMetrics]) -> Iterator[Metric]:
         "The elastic group's membership epoch (0: not elastic)",
         labels=["rank"],
     )
+    reshards = CounterMetricFamily(
+        "ferrogrpc_fsdp_reshards",
+        "Elastic FSDP: the re-shards this rank took part in (one per new epoch)",
+        labels=["rank"],
+    )
+    last_reshard = GaugeMetricFamily(
+        "ferrogrpc_fsdp_last_reshard_seconds",
+        "Elastic FSDP: how long this rank's last re-shard took, from its first message "
+        "to the new layout in effect",
+        labels=["rank"],
+    )
     for r in ranks:
         rank = str(r.identity.rank)
         by_sent, by_received = r.bytes_by()
@@ -300,7 +328,11 @@ def _families(ranks: list[RankMetrics]) -> Iterator[Metric]:
             waits[cat].add_metric([rank], hist.buckets(), hist.total)
         world.add_metric([rank], r.identity.world_size)
         epoch.add_metric([rank], r.epoch)
+        reshards.add_metric([rank], r.reshards)
+        if r.last_reshard is not None:
+            last_reshard.add_metric([rank], r.last_reshard)
     yield from (sent, received, collectives, latency, failures, *waits.values(), world, epoch)
+    yield from (reshards, last_reshard)
 
 
 # The process's servers, and the elastic backends' holds, by requested port.

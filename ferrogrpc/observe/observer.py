@@ -9,7 +9,8 @@
   seq -1. The flight recorder keeps every entry (flight.py); the sinks
   (metrics, the trace) see each one once, when it ends.
 - A *span* is a wait a wrapper names (``DDP_BUCKET_WAIT``,
-  ``FSDP_GATHER_WAIT``, ...): ``with observer.span(cat, name, **args)``.
+  ``FSDP_GATHER_WAIT``, ...): ``with observer.span(cat, name, **args)``,
+  or one timed elsewhere: :meth:`Observer.record` (``FSDP_RESHARD``).
   With no span sink it is a shared null context, so a run that traces
   nothing pays one attribute test per span.
 - Times are ``time.time()`` seconds: wall clocks, which ``ferrogrpc trace
@@ -39,6 +40,9 @@ DDP_BUCKET_WAIT = "ddp.bucket_wait"
 DDP_BUCKET = "ddp.bucket"
 FSDP_GATHER_WAIT = "fsdp.gather_wait"
 FSDP_REDUCE_WAIT = "fsdp.reduce_wait"
+# Not a wait: an elastic FSDP's re-shard at a new epoch, from its first
+# message to the new layout in effect (wrappers/fsdp_elastic.py).
+FSDP_RESHARD = "fsdp.reshard"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,8 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import ConfigError, FerroGrpcError, ShardLostError
+from ..observe.observer import FSDP_RESHARD
+from ..runtime.peer import observer_of
 from ..runtime.work import Work
 from .fsdp_plan import ShardedParam
 from .fsdp_reshard import COPY, OWN, Layout, Lost, Piece, plan
@@ -45,6 +47,8 @@ class ElasticBackend(Protocol):
     def world_size(self) -> int: ...
     @property
     def membership(self) -> Any: ...
+    @property
+    def peer(self) -> Any: ...
     def run_sync(self, attempt: Callable[[], Callable[[], None]], rerun: bool = ...) -> bool: ...
     def __getattr__(self, name: str) -> Any: ...
 
@@ -85,6 +89,8 @@ class ElasticShards:
         self.void: FerroGrpcError | None = None
         self._copy_grads: list[torch.Tensor | None] | None = None
         self._stepping = False
+        # The last re-shard this rank took part in: its seconds, the
+        # elements the group moved, the bytes this rank received.
         self.last_move: dict[str, float] | None = None
         backend.resharders.append(self)
 
@@ -240,7 +246,7 @@ class ElasticShards:
         once the change is committed (ElasticBackend._settle). Raises
         ShardLostError if a shard and its copy are both gone."""
         backend = self._backend
-        began = time.monotonic()
+        began, began_wall = time.monotonic(), time.time()
         m = backend.membership
         new = Layout(m.epoch, m.world_size, m.hosts)
         me = backend.rank
@@ -264,19 +270,37 @@ class ElasticShards:
             gone = sorted(set(range(old.world)) - set(holders))
             raise self._lost(backend, gone, lost.shards, str(lost)) from None
         planes = meta["planes"]
-        own, copy = self._move(backend, pieces, planes, new, me)
+        own, copy, received = self._move(backend, pieces, planes, new, me)
         moved = sum(p.length for p in pieces if p.src != p.dst)
 
         def swap() -> None:
             self._take(own, copy, planes, meta["scalars"], new, me)
-            self.last_move = {"seconds": time.monotonic() - began, "elements": float(moved)}
+            seconds = time.monotonic() - began
+            self.last_move = {
+                "seconds": seconds,
+                "elements": float(moved),
+                "bytes": float(received),
+            }
+            # The trace's span and the metrics' re-shard count and seconds
+            # (observe/metrics.py), on the new epoch's observer.
+            observer_of(backend.peer).record(
+                FSDP_RESHARD,
+                f"re-shard {old.world} -> {new.world} ranks",
+                began_wall,
+                began_wall + seconds,
+                epoch=new.epoch,
+                world_size=new.world,
+                from_world_size=old.world,
+                elements=moved,
+                received_bytes=received,
+            )
             logger.info(
                 "epoch %d: shards re-laid over %d ranks (from %d), %d elements moved in %.3f s",
                 new.epoch,
                 new.world,
                 old.world,
                 moved,
-                time.monotonic() - began,
+                seconds,
             )
 
         return swap
@@ -359,8 +383,9 @@ class ElasticShards:
         planes: list[list[list[str]]],
         new: Layout,
         me: int,
-    ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
-        """Send and receive the pieces; the new layout's planes (own, copy)."""
+    ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], int]:
+        """Send and receive the pieces; the new layout's planes (own, copy)
+        and the bytes this rank received."""
         dtypes = [
             [e.shard.dtype, *(_DTYPES[d] for _, d in planes[i])]
             for i, e in enumerate(self._entries)
@@ -390,6 +415,7 @@ class ElasticShards:
             elif p.dst == me:
                 incoming.setdefault(p.src, []).append(p)
         works: list[Work[Any]] = []
+        received = 0
         for peer, parts in outgoing.items():
             flat = torch.cat(parts)
             for lo in range(0, flat.numel(), MESSAGE_BYTES):
@@ -399,6 +425,7 @@ class ElasticShards:
         for peer, got in sorted(incoming.items()):
             size = sum(p.length * sum(d.itemsize for d in dtypes[p.entry]) for p in got)
             into = torch.empty(size, dtype=torch.uint8)
+            received += size
             for lo in range(0, size, MESSAGE_BYTES):
                 backend.recv(into[lo : lo + MESSAGE_BYTES], peer, MOVE_TAG)
             offset = 0
@@ -409,7 +436,7 @@ class ElasticShards:
                     offset += n
         for work in works:
             work.wait()
-        return out[OWN], out[COPY]
+        return out[OWN], out[COPY], received
 
     def _take(
         self,
