@@ -186,6 +186,35 @@ def _digests_agree(job: TorchrunJob) -> None:
     assert not split, split
 
 
+class Contributions:
+    """What check_training reads of ``job``, with the slices of the workers
+    that a SIGKILL from outside (at one of ``kills``) took after their last
+    sync was committed and before they printed it: each line names its rank
+    and world size, so the ranks missing from a step are known."""
+
+    def __init__(self, job: TorchrunJob, kills: list[float]) -> None:
+        self.job, self.tmp, self.kills = job, job.tmp, kills
+
+    def output(self) -> str:
+        return self.job.output()
+
+    def lines(self) -> list[dict[str, Any]]:
+        lines = self.job.lines()
+        by_step: dict[int, list[dict[str, Any]]] = {}
+        for d in lines:
+            if "idx" in d:
+                by_step.setdefault(d["step"], []).append(d)
+        missing = []
+        for step, seen in by_step.items():
+            (world,) = {d["world"] for d in seen}
+            for rank in sorted(set(range(world)) - {d["rank"] for d in seen}):
+                assert min(abs(seen[0]["t"] - t) for t in self.kills) < 5.0, (step, seen)
+                idx = list(range(rank, 12, world))  # elastic_train.BATCH: 12
+                missing.append({"step": step, "idx": idx, "world": world, "rank": rank})
+        assert len(missing) <= 3, missing  # the worker, then node a's two, at most
+        return lines + missing
+
+
 @pytest.mark.timeout(240)
 def test_torchrun_restarts_a_nodes_workers_only_and_nodes_come_and_go_live(
     tmp_path: Path, report: Callable[[str], None]
@@ -197,7 +226,18 @@ def test_torchrun_restarts_a_nodes_workers_only_and_nodes_come_and_go_live(
     # 3. node c starts: its workers join, and nobody restarts.
     steps = 300
     job = TorchrunJob(
-        tmp_path, world_size=4, nnodes="1:3", STEPS=str(steps), WORLD="4", SLOW="0.3", PACE="0.03"
+        tmp_path,
+        world_size=4,
+        nnodes="1:3",
+        STEPS=str(steps),
+        WORLD="4",
+        SLOW="0.3",
+        PACE="0.03",
+        # The "nodes" share this host: no shared memory, so that they meet
+        # over gRPC as separate hosts do (and a node's two deaths, its
+        # worker's and then its sibling's, SIGTERMed by the agent, are not
+        # felt in another node's shared-memory plane).
+        FERROGRPC_SHM="0",
     )
     try:
         a = job.start("a", "127.0.0.1")
@@ -258,7 +298,7 @@ def test_torchrun_restarts_a_nodes_workers_only_and_nodes_come_and_go_live(
     # Every member bitwise equal at every step; every step kept once, and
     # equal to single-process training on the slices that contributed.
     _digests_agree(job)
-    check_training(cast(Any, job), steps)
+    check_training(cast(Any, Contributions(job, [t_kill, t_node])), steps)
 
 
 @pytest.mark.timeout(120)
