@@ -1,8 +1,9 @@
-"""``ferrogrpc bench --elastic``: what a lost rank and a joiner cost.
+"""``ferrogrpc bench --elastic [--fsdp]``: what a lost rank and a joiner cost.
 
 For each state size (parameters plus Adam's two moments, in float32), it
 starts a coordinator and N members training an MLP of that size with DDP
-in an elastic group, then:
+(``--fsdp``: FSDP, every Linear a unit, every shard held twice) in an
+elastic group, then:
 
 - SIGKILLs one member mid-run: the time from the kill to the survivors'
   next completed step, beside their step time before it;
@@ -12,7 +13,15 @@ in an elastic group, then:
   sender, one receiver, no framing or checks) of the same bytes between two
   processes: the ceiling the transfer is compared with.
 
+With ``--fsdp`` the kill costs the survivors a re-shard (the lost rank's
+shards re-laid over them from its buddy's copy) and the step that died
+runs again; the replacement's transfer is its re-shard: its shards and
+the copy it keeps, striped over the members that hold them, as its
+metrics report it (``ferrogrpc_fsdp_last_reshard_seconds`` and
+``..._received_bytes``, scraped once it completed its first step).
+
     python -m client.bench --elastic --sizes 100M 400M --nproc 3
+    python -m client.bench --elastic --fsdp --sizes 100M --nproc 4
 """
 
 from __future__ import annotations
@@ -33,6 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from client.common import MiB, fmt_size, parse_size
+
+RESHARD_SECONDS = "ferrogrpc_fsdp_last_reshard_seconds"
+RESHARD_BYTES = "ferrogrpc_fsdp_last_reshard_received_bytes"
 
 MESSAGE = 4 * MiB
 # How many of the members' steps after a join count in their pause, and
@@ -70,15 +82,21 @@ def worker(args: argparse.Namespace) -> int:
     backend = fg.init_backend(elastic=True)
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-    ddp = fg.DDP(net, backend)
-    opt = torch.optim.Adam(ddp.parameters(), lr=1e-4)
-    state = fg.ElasticState(ddp, opt)
+    wrapper: fg.DDP | fg.FSDP = (
+        fg.FSDP(net, backend, units={nn.Linear})  # type: ignore[arg-type]
+        if args.fsdp
+        else fg.DDP(net, backend)
+    )
+    opt = torch.optim.Adam(wrapper.parameters(), lr=1e-4)
+    state = fg.ElasticState(wrapper, opt)
     # Adam's moments exist from the first step on: members hold them.
     for step in state.steps(10**9):
         x = torch.randn(4, width, generator=torch.Generator().manual_seed(step))
         opt.zero_grad()
-        ddp(x).square().mean().backward()
-        ddp.sync_gradients()
+        wrapper(x).square().mean().backward()
+        wrapper.sync_gradients()
+        if args.fsdp and all(p.grad is None for p in wrapper.parameters()):
+            continue  # void (the group changed in it): it runs again over the new group
         opt.step()
         record: dict[str, Any] = {
             "step": step,
@@ -176,7 +194,7 @@ def bare_stream_rate(total: int, repeat: bool = False) -> float:
 
 
 class Run:
-    def __init__(self, tmp: Path, nproc: int, state_bytes: int) -> None:
+    def __init__(self, tmp: Path, nproc: int, state_bytes: int, fsdp: bool = False) -> None:
         self.tmp = tmp
         self.port = _free_port()
         self.env = {
@@ -185,7 +203,7 @@ class Run:
             "OMP_NUM_THREADS": "1",
         }
         self.cmd = [sys.executable, "-m", "client.bench_elastic", "--worker"]
-        self.cmd += ["--state-bytes", str(state_bytes)]
+        self.cmd += ["--state-bytes", str(state_bytes), *(["--fsdp"] if fsdp else [])]
         self.procs: list[subprocess.Popen[bytes]] = []
         self.coordinator = subprocess.Popen(
             [
@@ -199,10 +217,15 @@ class Run:
         for _ in range(nproc):
             self.start()
 
-    def start(self) -> subprocess.Popen[bytes]:
+    def start(self, metrics_port: int | None = None) -> subprocess.Popen[bytes]:
+        """Start a rank; ``metrics_port``: its metrics there (LOCAL_RANK 0:
+        on that port itself)."""
+        env = self.env
+        if metrics_port is not None:
+            env = {**env, "FERROGRPC_METRICS_PORT": str(metrics_port), "LOCAL_RANK": "0"}
         proc = subprocess.Popen(
             self.cmd,
-            env=self.env,
+            env=env,
             stdout=open(self.tmp / f"p{len(self.procs)}.log", "wb"),  # noqa: SIM115
             stderr=subprocess.STDOUT,
         )
@@ -239,9 +262,27 @@ class Run:
                 p.wait()
 
 
-def measure(nproc: int, state_bytes: int, timeout: float) -> dict[str, float]:
+def reshard_of(port: int) -> dict[str, float]:
+    """The last re-shard's seconds and received bytes, from the metrics a
+    rank serves on ``port`` (its only rank)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in (RESHARD_SECONDS, RESHARD_BYTES)
+    }
+    return {"seconds": found.get(RESHARD_SECONDS, 0.0), "bytes": found.get(RESHARD_BYTES, 0.0)}
+
+
+def measure(nproc: int, state_bytes: int, timeout: float, fsdp: bool = False) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="ferrogrpc-bench-elastic-") as tmp:
-        run = Run(Path(tmp), nproc, state_bytes)
+        run = Run(Path(tmp), nproc, state_bytes, fsdp)
         try:
             run.wait_for(
                 lambda: len([d for d in run.lines() if d["step"] >= BASELINE + 2]) >= nproc,
@@ -263,13 +304,24 @@ def measure(nproc: int, state_bytes: int, timeout: float) -> dict[str, float]:
                 "the survivors' next step",
             )
             kill_to_step = after[0]["t"] - killed
-            joiner = run.start()
+            metrics_port = _free_port() if fsdp else None
+            joiner = run.start(metrics_port)
             started = time.time()
             n = len(run.procs) - 1
             first = run.wait_for(
                 lambda: [d for d in run.lines(n) if "step" in d], timeout, "the joiner's step"
             )[0]
             transfer = first.get("transfer") or {}
+            if metrics_port is not None:
+                # Its shards: the re-shard that admitted it (done before
+                # that first step), the only one it took part in.
+                reshard = reshard_of(metrics_port)
+                transfer = {
+                    "bytes": reshard["bytes"],
+                    "seconds": reshard["seconds"],
+                    "model_bytes": reshard["bytes"],
+                    "model_seconds": reshard["seconds"],
+                }
             del joiner
 
             # The members' pause: their first GROWN steps with the joiner
@@ -317,11 +369,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", type=parse_size, nargs="+", default=[100 * 10**6, 400 * 10**6])
     parser.add_argument("--nproc", type=int, default=3, help="members before the kill")
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="train with FSDP (units: every Linear; every shard held twice): the kill costs a "
+        "re-shard, and the joiner's transfer is its shards",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--state-bytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.fsdp:
+        return main_fsdp(args)
     print(
         f"elastic group of {args.nproc} on this machine: SIGKILL one member, then a "
         "replacement joins; a bare gRPC stream of as many bytes, same run"
@@ -362,6 +422,52 @@ def main(argv: list[str] | None = None) -> int:
         f"first {GROWN} steps with the joiner (the one that admitted it, and those that "
         f"still pay for its first use of memory), less {GROWN} such steps; 1st: the "
         "step that admitted it alone, less one)"
+    )
+    return 0
+
+
+def main_fsdp(args: argparse.Namespace) -> int:
+    """``--fsdp``: the kill and the join in elastic FSDP, the joiner's
+    shards beside a bare gRPC stream of as many bytes."""
+    print(
+        f"elastic FSDP group of {args.nproc} on this machine (units: every Linear; every shard "
+        "held twice): SIGKILL one member, then a replacement joins; a bare gRPC stream of as "
+        "many bytes as the replacement's shards, same run"
+    )
+    header = (
+        f"{'state':>8} {'step s':>7} {'kill->step s':>12} {'join->step s':>12} "
+        f"{'shards MB':>9} {'s':>6} {'MB/s':>7} {'bare MB/s':>9} {'ratio':>6} "
+        f"{'repeat MB/s':>11} {'ratio':>6} {'pause s':>7} {'1st':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    for size in args.sizes:
+        m = measure(args.nproc, size, args.timeout, fsdp=True)
+        moved = int(m["model_bytes"]) or size
+        bare = bare_stream_rate(moved)
+        repeat = bare_stream_rate(moved, repeat=True)
+        rate = m["model_bytes"] / m["model_s"] if m["model_s"] else 0.0
+        print(
+            f"{fmt_size(size):>8} {m['step_s']:7.3f} {m['kill_to_step_s']:12.3f} "
+            f"{m['join_to_step_s']:12.3f} {m['model_bytes'] / 1e6:9.1f} {m['model_s']:6.3f} "
+            f"{rate / 1e6:7.1f} {bare / 1e6:9.1f} {rate / bare if bare else 0:6.2f} "
+            f"{repeat / 1e6:11.1f} {rate / repeat if repeat else 0:6.2f} "
+            f"{m['pause_s']:7.3f} {m['first_pause_s']:6.3f}",
+            flush=True,
+        )
+    print(
+        f"(step s: a member's step before the kill (the median of the last {BASELINE}); "
+        "kill->step: from the SIGKILL to the survivors' next completed step (the re-shard "
+        "over them and the step that died, run again); join->step: from the replacement's "
+        "start to its first completed step; shards: what the replacement received in the "
+        "re-shard that admitted it (its shards and the copy it keeps, parameters and Adam's "
+        "moments, striped over the members that hold them) and how long that re-shard took "
+        "on it, from its first message to the new layout in effect, as its metrics report "
+        "it; bare: one grpc.aio stream of as many bytes in 4 MiB messages, each read from "
+        "its own part of a buffer, two processes; repeat: the same, one cached message sent "
+        "again and again; pause: the members' "
+        f"first {GROWN} steps with the joiner, less {GROWN} such steps; 1st: the step that "
+        "admitted it alone, less one)"
     )
     return 0
 

@@ -208,12 +208,21 @@ def run(args: argparse.Namespace) -> int:
                 bad = [c for i, c in enumerate(done) if c not in (None, 0) and i != victim]
                 if bad:
                     break
+                # The group finished without the replacement: nothing admits it now.
+                if joined_step < 0 and all(c == 0 for c in done[: args.nproc - 1]):
+                    break
                 time.sleep(0.05)
             codes = [p.poll() for p in group.procs]
         finally:
             group.close()
         ok_codes = all(c == 0 for i, c in enumerate(codes) if i != victim)
         if not ok_codes or died_step < 0 or joined_step < 0:
+            if died_step >= 0 and joined_step < 0:
+                print(
+                    f"{_name(args)}: the replacement was not admitted before the group "
+                    f"finished its {args.steps} steps (it took longer to start than the steps "
+                    "left): give it more --steps or a longer --step-sleep"
+                )
             print(f"{_name(args)}: FAILED: exit codes {codes}")
             for n in range(len(group.procs)):
                 print((Path(tmp) / f"rank-process{n}.log").read_text()[-2000:])

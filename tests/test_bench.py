@@ -138,3 +138,36 @@ def test_elastic_bench_reports_the_kill_the_join_and_the_transfer() -> None:
     assert mb == round(12 * params / 1e6, 1) and model_mb == round(4 * params / 1e6, 1), row
     assert 0 < model_s <= s and 0 < kill < 30 and 0 < join < 60 and step > 0, row
     assert rate > 0 and bare > 0 and ratio == pytest.approx(rate / bare, abs=0.01), row
+
+
+@pytest.mark.timeout(120)
+def test_elastic_fsdp_bench_reports_the_kill_the_join_and_the_joiners_shards() -> None:
+    # ``bench --elastic --fsdp`` (issue 57, item 7), tiny: one 1024x1024
+    # layer over 3 ranks, one killed, a replacement joins as rank 2 of 3.
+    # Its shards, from its metrics: its own (the last, short of the
+    # padding) and the copy of rank 1's it keeps, each with Adam's two
+    # moments, float32.
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "ferrogrpc.cli", "bench", "--elastic", "--fsdp"),
+            *("--sizes", "8M", "--nproc", "3", "--timeout", "90"),
+        ],
+        env={**clean_env(), "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("   8 MiB"))
+    cells = [float(x) for x in row.split()[2:]]
+    step, kill, join, mb, s, rate, bare, ratio = cells[:8]
+    elements = 0
+    for n in (1024 * 1024, 1024):
+        shard = -(-n // 3)
+        elements += (n - 2 * shard) + shard
+    assert mb == round(12 * elements / 1e6, 1), row
+    assert s > 0 and 0 < kill < 30 and 0 < join < 60 and step > 0, row
+    # (Both printed rounded: to 0.1 MB and to the millisecond.)
+    assert rate == pytest.approx(mb / s, rel=0.1), row
+    assert bare > 0 and ratio == pytest.approx(rate / bare, abs=0.01), row

@@ -549,12 +549,14 @@ def test_an_elastic_fsdp_reshard_is_counted_and_its_seconds_kept() -> None:
         before = scrape(url)
         assert ("ferrogrpc_fsdp_reshards_total", frozenset({("rank", "1")})) in before
         assert value(before, "ferrogrpc_fsdp_reshards_total", rank=1) == 0
-        assert not [k for k in before if k[0] == "ferrogrpc_fsdp_last_reshard_seconds"]
-        observer.record(FSDP_RESHARD, "re-shard 4 -> 3 ranks", 1000.0, 1000.75, elements=9)
-        observer.record(FSDP_RESHARD, "re-shard 3 -> 4 ranks", 2000.0, 2000.25, elements=9)
+        assert not [k for k in before if k[0].startswith("ferrogrpc_fsdp_last_reshard")]
+        reshard = "re-shard 4 -> 3 ranks"
+        observer.record(FSDP_RESHARD, reshard, 1000.0, 1000.75, elements=9, received_bytes=72)
+        observer.record(FSDP_RESHARD, reshard, 2000.0, 2000.25, elements=9, received_bytes=48)
         after = scrape(url)
         assert value(after, "ferrogrpc_fsdp_reshards_total", rank=1) == 2
         assert value(after, "ferrogrpc_fsdp_last_reshard_seconds", rank=1) == 0.25
+        assert value(after, "ferrogrpc_fsdp_last_reshard_received_bytes", rank=1) == 48
         waits = [k for k in after if k[0].startswith("ferrogrpc_fsdp_") and "wait" in k[0]]
         assert all(after[k] == 0 for k in waits), waits
     finally:
@@ -571,7 +573,7 @@ def test_a_joiners_reshard_shows_in_every_members_metrics_and_trace(tmp_path: Pa
     # world sizes and elements; the point-to-point messages that moved the
     # shards are in the same file.
     from ferrogrpc.observe import trace
-    from tests.test_elastic_fsdp import FsdpRun
+    from tests.test_elastic_fsdp import FsdpRun, elastic_train  # type: ignore[attr-defined]
 
     port = free_port()
     traces = tmp_path / "trace"
@@ -593,6 +595,7 @@ def test_a_joiners_reshard_shows_in_every_members_metrics_and_trace(tmp_path: Pa
     finally:
         run.close()
     assert codes == [0, 0, 0], (codes, run.output())
+    received: dict[str, float] = {}
     for k, samples in enumerate(scraped):
         counts = {
             dict(labels)["rank"]: v
@@ -604,6 +607,14 @@ def test_a_joiners_reshard_shows_in_every_members_metrics_and_trace(tmp_path: Pa
         assert value(samples, "ferrogrpc_membership_epoch", rank=rank) >= 2, k
         seconds = value(samples, "ferrogrpc_fsdp_last_reshard_seconds", rank=rank)
         assert 0 < seconds < 30, (k, seconds)
+        received[rank] = value(samples, "ferrogrpc_fsdp_last_reshard_received_bytes", rank=rank)
+    # The joiner (rank 2 of 3) received its shard and the copy it keeps
+    # (of rank 1's), whole but for the padding: parameters and Adam's two
+    # moments, float64.
+    shards = [(n, -(-n // 3)) for n in (p.numel() for p in elastic_train.model().parameters())]
+    elements = sum((n - 2 * s) + (min(2 * s, n) - s) for n, s in shards)
+    assert received["2"] == 3 * 8 * elements, received
+    assert received["0"] > 0 and received["1"] > 0, received
     grown = []
     for path in trace.trace_files(traces):
         events = trace.load(path)["traceEvents"]

@@ -29,10 +29,12 @@ Every series carries a ``rank`` label:
   wrappers name (observer.py's span categories);
 - ``ferrogrpc_world_size`` and ``ferrogrpc_membership_epoch`` (0 outside an
   elastic group);
-- ``ferrogrpc_fsdp_reshards_total`` and ``ferrogrpc_fsdp_last_reshard_seconds``
-  (elastic FSDP): the re-shards this rank took part in at a new epoch, and
-  how long the last took, from its first message to the new layout in
-  effect (its span, ``FSDP_RESHARD``: the gauge appears with the first).
+- ``ferrogrpc_fsdp_reshards_total``, ``ferrogrpc_fsdp_last_reshard_seconds``
+  and ``ferrogrpc_fsdp_last_reshard_received_bytes`` (elastic FSDP): the
+  re-shards this rank took part in at a new epoch; how long the last took,
+  from its first message to the new layout in effect, and the bytes of
+  shards it received in it (its span, ``FSDP_RESHARD``: the gauges appear
+  with the first).
 
 One server per port, per process, shared by every rank the process runs
 and by every epoch of an elastic member: a new epoch's observer takes over
@@ -170,7 +172,8 @@ class RankMetrics:
         self.failures: dict[tuple[str, str], int] = {}
         self.waits: dict[str, Histogram] = {}
         self.reshards = 0
-        self.last_reshard: float | None = None
+        # The last re-shard's seconds and received bytes.
+        self.last_reshard: tuple[float, int] | None = None
 
     # The sinks: on whatever thread ended the collective or the wait.
 
@@ -189,7 +192,8 @@ class RankMetrics:
 
     def on_span(self, span: Span) -> None:
         if span.cat == FSDP_RESHARD:
-            self.last_reshard = max(0.0, span.end - span.start)
+            received = span.args.get("received_bytes", 0)
+            self.last_reshard = (max(0.0, span.end - span.start), int(received))
             self.reshards += 1
             return
         if span.cat not in WAITS:
@@ -311,6 +315,12 @@ def _families(ranks: list[RankMetrics]) -> Iterator[Metric]:
         "to the new layout in effect",
         labels=["rank"],
     )
+    last_received = GaugeMetricFamily(
+        "ferrogrpc_fsdp_last_reshard_received_bytes",
+        "Elastic FSDP: the bytes of shards (and their optimizer state) this rank received "
+        "in its last re-shard",
+        labels=["rank"],
+    )
     for r in ranks:
         rank = str(r.identity.rank)
         by_sent, by_received = r.bytes_by()
@@ -330,9 +340,10 @@ def _families(ranks: list[RankMetrics]) -> Iterator[Metric]:
         epoch.add_metric([rank], r.epoch)
         reshards.add_metric([rank], r.reshards)
         if r.last_reshard is not None:
-            last_reshard.add_metric([rank], r.last_reshard)
+            last_reshard.add_metric([rank], r.last_reshard[0])
+            last_received.add_metric([rank], r.last_reshard[1])
     yield from (sent, received, collectives, latency, failures, *waits.values(), world, epoch)
-    yield from (reshards, last_reshard)
+    yield from (reshards, last_reshard, last_received)
 
 
 # The process's servers, and the elastic backends' holds, by requested port.
