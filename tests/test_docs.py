@@ -71,6 +71,7 @@ EXPECT = {
         "rank 1 of 3: done at step 150",
         "rank 2 of 3: done at step 150",
     ],
+    "docs/launchers.md": ["rank 0 of 2: done at step 20", "rank 1 of 2: done at step 20"],
     "docs/troubleshooting.md": [
         "CollectiveTimeoutError: [rank 0/2 all_reduce#5] did not finish",
         "culprit: rank 1 (",
