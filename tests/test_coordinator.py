@@ -108,11 +108,19 @@ async def test_a_taken_port_is_a_config_error() -> None:
             await transport.start(None)  # type: ignore[arg-type]
 
 
+async def _hold_aio_runtime(keep: Callable[[], None]) -> None:
+    keep()
+
+
 def test_a_group_that_never_forms_is_a_rendezvous_error() -> None:
     import threading
 
+    from ferrogrpc.transport.auth import keep_aio_runtime
     from tests.helpers import wait_until
 
+    # grpc.aio's process-wide poller thread is held for the process's life
+    # (keep_aio_runtime): started first, it is not counted as this call's.
+    asyncio.run(_hold_aio_runtime(keep_aio_runtime))
     before = threading.active_count()
     start = time.monotonic()
     with pytest.raises(fg.RendezvousError, match="within"):
