@@ -235,7 +235,9 @@ class Run:
     def lines(self, n: int | None = None) -> list[dict[str, Any]]:
         out = []
         for i in range(len(self.procs)) if n is None else [n]:
-            for line in (self.tmp / f"p{i}.log").read_text(errors="replace").splitlines():
+            text = (self.tmp / f"p{i}.log").read_text(errors="replace")
+            # Complete lines only: a running process may be writing the last.
+            for line in text[: text.rfind("\n") + 1].splitlines():
                 if line.startswith("{"):
                     record = json.loads(line)
                     record["proc"] = i

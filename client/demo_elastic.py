@@ -87,8 +87,9 @@ class Group:
     def lines(self) -> list[dict[str, Any]]:
         out = []
         for n in range(len(self.procs)):
-            path = self.tmp / f"rank-process{n}.log"
-            for line in path.read_text(errors="replace").splitlines():
+            text = (self.tmp / f"rank-process{n}.log").read_text(errors="replace")
+            # Complete lines only: a running process may be writing the last.
+            for line in text[: text.rfind("\n") + 1].splitlines():
                 if line.startswith("{"):
                     record = json.loads(line)
                     record["process"] = n
@@ -183,8 +184,9 @@ def run(args: argparse.Namespace) -> int:
             died_step = joined_step = -1
             t_kill = 0.0
             while time.monotonic() < deadline:
-                lines = [d for d in group.lines() if "step" in d]
+                # (Exits first: every line a process wrote before it exited is read.)
                 done = [p.poll() for p in group.procs]
+                lines = [d for d in group.lines() if "step" in d]
                 if died_step < 0 and lines and max(d["step"] for d in lines) >= kill_at:
                     mine = [d for d in lines if d["process"] == victim]
                     died_step = max(d["step"] for d in lines) + 1
