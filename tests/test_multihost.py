@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -58,10 +59,18 @@ def _substitute(value: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\{(\w+)(:-([^}]*))?\}", repl, value)
 
 
+def _program(name: str) -> str:
+    """The image's programs are this interpreter's here: its python, and
+    the commands its install put beside it (``ferrogrpc``)."""
+    if name == "python":
+        return sys.executable
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else name
+
+
 def _service(spec: dict[str, object], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     command = [_substitute(str(part), env) for part in spec["command"]]  # type: ignore[attr-defined]
-    if command[0] == "python":
-        command[0] = sys.executable  # the image's python is this interpreter here
+    command[0] = _program(command[0])
     raw_env = spec.get("environment") or {}
     if isinstance(raw_env, list):
         raw_env = dict(item.split("=", 1) for item in raw_env)
@@ -194,7 +203,7 @@ def test_compose_services_train_across_network_namespaces(layout: str) -> None:
             procs.append(_start(ns["coordinator"], coord_cmd, dict(base_env, **coord_env)))
             # The compose healthcheck, run in the coordinator's namespace.
             health = services["coordinator"]["healthcheck"]["test"][1:]
-            health = [sys.executable if part == "python" else part for part in health]
+            health = [_program(health[0]), *health[1:]]
             deadline = time.monotonic() + 60
             while True:
                 probe = subprocess.run(
