@@ -31,6 +31,7 @@ def _enter(
     epoch: int,
     lost: list[int] | None = None,
     min_world_size: int = 0,
+    max_world_size: int = 0,
 ) -> asyncio.Task[Any]:
     request = rpb.EnterRequest(
         peer_id=peer,
@@ -40,6 +41,7 @@ def _enter(
         reason=reason,  # type: ignore[arg-type]
         lost=lost or [],
         min_world_size=min_world_size,
+        max_world_size=max_world_size,
     )
     return asyncio.ensure_future(m.enter(request))
 

@@ -27,36 +27,9 @@ from ferrogrpc.v1 import rendezvous_pb2 as rpb
 
 from .helpers import RANKS, ROOT
 from .test_elastic import Run, check_training
+from .test_membership import Clock, _enter
 
 pytestmark = pytest.mark.timeout(30)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _enter(
-    m: ElasticMembership,
-    peer: str,
-    reason: int,
-    epoch: int,
-    lost: list[int] | None = None,
-    max_world_size: int = 0,
-) -> asyncio.Task[Any]:
-    request = rpb.EnterRequest(
-        peer_id=peer,
-        address=f"{peer}:1",
-        nonce="n" * 16,
-        epoch=epoch,
-        reason=reason,  # type: ignore[arg-type]
-        lost=lost or [],
-        max_world_size=max_world_size,
-    )
-    return asyncio.ensure_future(m.enter(request))
 
 
 def _beat(m: ElasticMembership, peer: str, epoch: int = 0, rank: int = 0) -> rpb.HeartbeatResponse:
