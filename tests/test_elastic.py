@@ -527,13 +527,30 @@ def check_training(run: Run, steps: int) -> dict[int, list[dict[str, Any]]]:
         worlds = {d["world"] for d in lines}
         assert worlds == {len(lines)}, (step, lines)
         assert len({json.dumps(d["idx"]) for d in lines}) == len(lines), (step, lines)
-        x, y = elastic_train.data(step)
-        for group in opt.param_groups:
-            group["lr"] = elastic_train.lr_at(step)
-        opt.zero_grad()
-        loss = sum(nn.functional.mse_loss(net(x[d["idx"]]), y[d["idx"]]) for d in lines)
-        (loss / len(lines)).backward()  # type: ignore[operator]
-        opt.step()
+        replay_step(net, opt, step, lines)
+    check_finals(run, steps, net)
+    return by_step
+
+
+def replay_step(
+    net: nn.Module, opt: torch.optim.Optimizer, step: int, lines: list[dict[str, Any]]
+) -> None:
+    """Single-process training's ``step`` on the slices its lines name, in
+    the model's dtype."""
+    dtype = next(net.parameters()).dtype
+    x, y = elastic_train.data(step)
+    x, y = x.to(dtype), y.to(dtype)
+    for group in opt.param_groups:
+        group["lr"] = elastic_train.lr_at(step)
+    opt.zero_grad()
+    loss = sum(nn.functional.mse_loss(net(x[d["idx"]]), y[d["idx"]]) for d in lines)
+    (loss / len(lines)).backward()  # type: ignore[operator]
+    opt.step()
+
+
+def check_finals(run: Run, steps: int, net: nn.Module) -> None:
+    """Every saved final model at ``steps``, bitwise equal to the others and
+    within 1e-6 of ``net`` (the replay)."""
     finals = [torch.load(f) for f in sorted(run.tmp.glob("final-*.pt"))]
     assert finals, run.output()
     for final in finals:
@@ -542,7 +559,6 @@ def check_training(run: Run, steps: int) -> dict[int, list[dict[str, Any]]]:
             assert torch.equal(mine, first)
         for mine, ref in zip(final["params"], net.parameters(), strict=True):
             torch.testing.assert_close(mine, ref.detach(), atol=1e-6, rtol=0)
-    return by_step
 
 
 @pytest.mark.timeout(150)

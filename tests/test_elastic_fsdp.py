@@ -14,10 +14,9 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from .helpers import RANKS
-from .test_elastic import Run
+from .test_elastic import Run, check_finals, replay_step
 
 sys.path.insert(0, str(RANKS))
 import elastic_train
@@ -51,22 +50,8 @@ def check(run: Run, steps: int) -> dict[int, list[dict[str, Any]]]:
         for d in lines:
             if d["copy_of"] is not None:
                 assert d["copy"] == own[d["copy_of"]], (step, d, own)
-        x, y = elastic_train.data(step)
-        x, y = x.double(), y.double()
-        for group in opt.param_groups:
-            group["lr"] = elastic_train.lr_at(step)
-        opt.zero_grad()
-        loss = sum(nn.functional.mse_loss(net(x[d["idx"]]), y[d["idx"]]) for d in lines)
-        (loss / len(lines)).backward()  # type: ignore[operator]
-        opt.step()
-    finals = [torch.load(f) for f in sorted(run.tmp.glob("final-*.pt"))]
-    assert finals, run.output()
-    for final in finals:
-        assert final["step"] == steps
-        for mine, first in zip(final["params"], finals[0]["params"], strict=True):
-            assert torch.equal(mine, first)
-        for mine, ref in zip(final["params"], net.parameters(), strict=True):
-            torch.testing.assert_close(mine, ref.detach(), atol=1e-6, rtol=0)
+        replay_step(net, opt, step, lines)
+    check_finals(run, steps, net)
     return by_step
 
 
