@@ -32,7 +32,7 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torc
 _DTYPES.update({str(d): d for d in (torch.int64, torch.int32, torch.uint8, torch.bool)})
 
 
-class ElasticBackend(Protocol):
+class ElasticGroup(Protocol):
     """What the shards need of elastic/backend.py's ElasticBackend (not
     imported here, to keep the import chains short): its current epoch,
     its resharders' list, its sync, and the collectives it forwards."""
@@ -69,7 +69,7 @@ class ElasticShards:
     def __init__(
         self,
         entries: Sequence[ShardedParam],
-        backend: ElasticBackend,
+        backend: ElasticGroup,
         relayout: Callable[[int, int], None],
         copies: list[torch.Tensor],
     ) -> None:
@@ -306,7 +306,7 @@ class ElasticShards:
         return swap
 
     def _lost(
-        self, backend: ElasticBackend, gone: list[int], shards: list[int], why: str
+        self, backend: ElasticGroup, gone: list[int], shards: list[int], why: str
     ) -> ShardLostError:
         return ShardLostError(
             f"the FSDP group lost shards {shards} of its layout with every copy of them "
@@ -319,7 +319,7 @@ class ElasticShards:
             world_size=backend.world_size,
         )
 
-    def _meta(self, backend: ElasticBackend, source: int, holds: bool) -> dict[str, Any]:
+    def _meta(self, backend: ElasticGroup, source: int, holds: bool) -> dict[str, Any]:
         """The old layout and each entry's optimizer state planes (keys and
         dtypes of the tensors shaped like the shard) and scalars, as the
         lowest holder has them, broadcast to every member."""
@@ -378,7 +378,7 @@ class ElasticShards:
 
     def _move(
         self,
-        backend: ElasticBackend,
+        backend: ElasticGroup,
         pieces: list[Piece],
         planes: list[list[list[str]]],
         new: Layout,
