@@ -226,6 +226,7 @@ def test_an_optimizer_step_lets_a_transfer_in_flight_end_first() -> None:
 
     member = ElasticBackend.__new__(ElasticBackend)
     member._current = object()  # type: ignore[assignment]  # a member, not a joiner
+    member._stateless = False
     member.resharders = []
 
     class Wrapper:  # what ElasticState reads of fg.DDP
@@ -894,6 +895,7 @@ def _settled(positions: list[tuple[int, int]]) -> list[tuple[int, bool]]:
     for rank, (step, phase) in enumerate(positions):
         backend = ElasticBackend.__new__(ElasticBackend)
         backend._current = _Epoch(rank, inputs, met)  # type: ignore[assignment]
+        backend._stateless = False
         backend._membership = Membership(2, world, ())
         backend._joined_from = world  # nobody new: no state to hand out
         backend._step, backend._phase, backend._stamped = step, phase, False

@@ -130,6 +130,7 @@ def elastic_state(
 
     backend = ElasticBackend.__new__(ElasticBackend)
     backend._current = wire.rank(rank)
+    backend._stateless = False
     backend._membership = Membership(2, world, tuple(f"127.0.0.1:{1000 + r}" for r in range(world)))
     backend._step = 7
     backend.resharders = []

@@ -120,6 +120,23 @@ async def test_a_fresh_coordinator_forms_the_first_epoch_after_its_quiet_period(
 
 
 @pytest.mark.timeout(30)
+async def test_the_first_epoch_takes_the_first_world_size_entrants_the_rest_join_it() -> None:
+    # --world-size 2 and three processes in the quiet period: the first two
+    # to enter form the group (as the docs' example says); the third joins
+    # at the members' first boundary, new in epoch 2 (joined_from 2), so it
+    # receives the state. It used to be a member of the first epoch.
+    m = ElasticMembership(heartbeat_timeout=2.0, join_window=0.05, initial_world_size=2, quiet=0.2)
+    entered = [_enter(m, p, rpb.ENTER_JOIN, 0) for p in "abc"]
+    first = await asyncio.gather(*entered[:2])
+    assert _placed(first) == [(1, 0, 2, 2), (1, 1, 2, 2)]
+    await asyncio.sleep(0.05)
+    assert not entered[2].done() and m.joiners.keys() == {"c"}
+    assert _beat(m, "a", 1, 0, 2).joiners_waiting == 1
+    grow = await asyncio.gather(entered[2], *(_enter(m, p, rpb.ENTER_GROW, 1) for p in "ab"))
+    assert _placed(grow) == [(2, 2, 3, 2), (2, 0, 3, 2), (2, 1, 3, 2)]
+
+
+@pytest.mark.timeout(30)
 async def test_a_member_whose_grow_reaches_a_restarted_coordinator_first_is_listed_once() -> None:
     # Mechanism 2: b's Enter(GROW) reaches the restarted coordinator before
     # b's heartbeat. It used to wait among the joiners, and be placed as a

@@ -264,3 +264,31 @@ def test_a_hot_spare_replaces_a_lost_member_within_a_step_a_cold_one_does_not(
         f"{cold['after']:.2f}s (step {cold['step']:.2f}s)"
     )
     assert hot["after"] <= hot["step"] + 1.0, hot
+
+
+@pytest.mark.timeout(120)
+def test_a_process_beyond_world_size_at_the_start_joins_with_the_group_state(
+    tmp_path: Path,
+) -> None:
+    # A coordinator for two and three processes that enter before the
+    # first epoch forms (its quiet period): the first two form the group,
+    # and the third, admitted through the Enter its init_backend made, is a
+    # joiner (rank -1) until its first boundary hands it the state. It used
+    # to come out of init_backend a member without the state: it trained
+    # from step 0 with its own optimizer, silently apart from the others.
+    steps = 40
+    run = Run(tmp_path, 2, STEPS=str(steps), SLOW="0.1")
+    try:
+        run.start_rank()
+        run.finish(90)
+    finally:
+        run.close()
+    log = (tmp_path / "coordinator0.log").read_text()
+    assert "3 processes entered the first epoch" in log, log  # (the case under test)
+    assert "epoch 1 formed: 2 members" in log and "ENTER_RECOVER" not in log, log
+    starts = [d for d in run.lines() if d.get("event") == "start"]
+    joining = [d for d in starts if d["joining"]]
+    assert len(starts) == 3 and len(joining) == 1 and joining[0]["rank"] == -1, starts
+    mine = [d for d in run.lines(joining[0]["proc"]) if "idx" in d]
+    assert mine and mine[-1]["step"] == steps - 1, run.output()
+    check_training(run, steps)

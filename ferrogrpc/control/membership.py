@@ -133,8 +133,7 @@ class ElasticMembership:
         # joiners too, and is kept.
         self._stateless: set[str] = set()
         self.round: _Round | None = None
-        # When this coordinator adopted an epoch it did not form (restarted),
-        # and whether it formed one of its own since.
+        # When it adopted an epoch it did not form, and if it formed one since.
         self._adopted_at: float | None = None
         self._formed_since_adoption = False
         # The first epoch, forming: who entered, and the join window's timer.
@@ -154,8 +153,7 @@ class ElasticMembership:
         self.refused = 0
         # Members of the current epoch that closed their backend.
         self._left: set[str] = set()
-        # For the group's metrics (group_metrics.py): epochs formed, members
-        # that joined an epoch, and members an epoch dropped.
+        # Metrics (group_metrics.py): epochs formed, members joined, dropped.
         self.formed = 0
         self.joined_total = 0
         self.removed_total = 0
@@ -467,8 +465,11 @@ class ElasticMembership:
         self.members_max = min(
             [e.max_world_size for e in first.entered.values() if e.max_world_size], default=0
         )
-        for peer in first.order[len(rounds.admitted(first.order, 0, self.max_world_size)) :]:
-            self.joiners[peer] = first.entered.pop(peer)  # beyond max_world_size: spares
+        size = len(rounds.admitted(first.order, 0, self.max_world_size))
+        for peer in first.order[min(size, self.initial_world_size or size) :]:
+            # Beyond --world-size, a joiner of the first boundary; beyond
+            # max_world_size, a spare.
+            self.joiners[peer] = first.entered.pop(peer)
         first.order = [p for p in first.order if p in first.entered]
         first.joined_from = len(first.order)  # the first epoch: nobody joins late
         self._form(first)

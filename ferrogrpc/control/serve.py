@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         required=True,
         help="ranks to wait for; 0: release whoever joined once --join-window passes "
-        "without a new peer (at least --min-ranks)",
+        "without a new peer (at least --min-ranks). An elastic group's first epoch is "
+        "the first N to enter; later ones join it at its first step boundary",
     )
     parser.add_argument(
         "--min-ranks",

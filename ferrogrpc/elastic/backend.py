@@ -87,6 +87,9 @@ class ElasticBackend:
         self._current: Backend | None = None
         self._epoch = 0
         self._joined_from = 0
+        # Admitted in join() to a running group's epoch (the first formed as
+        # it entered): a joiner until its first boundary receives the state.
+        self._stateless = False
         self._membership = Membership(0, 0, ())
         # Set from the heartbeat thread: the group moved on without this
         # epoch (the ranks it removed), or without this process.
@@ -126,6 +129,10 @@ class ElasticBackend:
         """This process's rank in the current epoch, renumbered densely
         when the group changes. A joiner's is -1 until ``steps()`` admits it
         (and a member removed for a stall is -1 until it is admitted again)."""
+        return -1 if self.joining else self._own_rank
+
+    @property
+    def _own_rank(self) -> int:
         return self._current.rank if self._current is not None else -1
 
     @property
@@ -302,20 +309,20 @@ class ElasticBackend:
     def join(self) -> None:
         """Enter the group: a member of the first epoch if it is forming
         (blocks until it formed), else a joiner that waits for the members'
-        next boundary (in :meth:`boundary`)."""
+        next boundary (in :meth:`boundary`; one admitted here because the
+        first epoch formed as it entered receives the state there)."""
         self._client.start()
         latest = self._client.heartbeat_once(timeout=max(1.0, self._s.timeouts.connect))
-        if latest is not None and latest.epoch > 0:
-            # A running group: admitted at its next step boundary, with a
-            # segment made meanwhile.
-            self._prepare_spare()
+        if latest is not None and latest.epoch > 0:  # a running group
+            self._prepare_spare()  # (the segment, made while it waits)
             return
-        self._enter(rpb.ENTER_JOIN)
+        formed = self._enter(rpb.ENTER_JOIN)
+        self._stateless = formed.rank >= formed.joined_from
 
     @property
     def joining(self) -> bool:
         """Whether this process waits to be admitted (not a member yet)."""
-        return self._current is None
+        return self._current is None or self._stateless
 
     def recover(self, cause: FerroGrpcError | None = None) -> bool:
         """After a collective of the current epoch failed (with ``cause``):
@@ -357,11 +364,7 @@ class ElasticBackend:
         # A process whose receipt of the state failed midway joins again, to
         # receive it whole.
         incomplete = self.state is not None and self.state.incomplete
-        reason = (
-            rpb.ENTER_JOIN
-            if removed_me or incomplete or self._current is None
-            else rpb.ENTER_RECOVER
-        )
+        reason = rpb.ENTER_JOIN if removed_me or incomplete or self.joining else rpb.ENTER_RECOVER
         try:
             self._enter(reason, lost)
         except QuorumLostError as exc:
@@ -373,9 +376,9 @@ class ElasticBackend:
             self.state.abandon_transfer()
         # (The coordinator places a process that enters as a joiner among
         # the joiners, so a rejoined process is one that received the state.)
-        rejoined = self.rank >= self._joined_from
+        rejoined = self._own_rank >= self._joined_from
         if rejoined:
-            logger.info("rank %d of the last epoch joined again as rank %d", was, self.rank)
+            logger.info("rank %d of the last epoch joined again as rank %d", was, self._own_rank)
         try:
             self._settle()
         except FATAL:
@@ -390,7 +393,7 @@ class ElasticBackend:
         group is. Returns the furthest position (2 x step, + 1 inside a
         step's gradient sync): a member behind it skips ahead to it."""
         if self._joined_from < self.world_size:
-            if self.rank >= self._joined_from:
+            if self._own_rank >= self._joined_from:
                 self._receive_state()
             else:
                 assert self.state is not None
@@ -401,7 +404,7 @@ class ElasticBackend:
         self._last_target = int(position.item())
         # Shards move to the new layout, which takes effect everywhere or
         # nowhere: committed like a sync ([Note: shards held twice]).
-        swaps = [r.reshard(self.rank >= self._joined_from) for r in self.resharders]
+        swaps = [r.reshard(self._own_rank >= self._joined_from) for r in self.resharders]
         if swaps and not self._commit():
             raise PeerError("the group changed again while its shards moved", rank=self.rank)
         for swap in swaps:
@@ -452,6 +455,7 @@ class ElasticBackend:
         self._step = self.state.receive_from_members(self._joined_from)
         self.state.step = self._step
         self._phase = 0
+        self._stateless = False
 
     def _quorum_lost(self, exc: QuorumLostError, reported: list[int]) -> QuorumLostError:
         lost = exc.lost or reported
@@ -498,8 +502,9 @@ class ElasticBackend:
                 if finish_last and self.state is not None:
                     finish_last = False
                     self.state.finish_transfer()
-                if self._current is None:
-                    self._enter(rpb.ENTER_JOIN)
+                if self.joining:
+                    if self._current is None:
+                        self._enter(rpb.ENTER_JOIN)
                     received = True
                     if self._settle() > 2 * self._step:
                         return received

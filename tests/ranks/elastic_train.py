@@ -101,7 +101,8 @@ def main() -> None:
         _die_sending(backend, int(os.environ["TRANSFER_KILL_RANK"]))
     if "BOUNDARY_KILL_STEP" in os.environ:
         _BOUNDARY["dir"] = out_dir
-    print(json.dumps({"event": "start", "pid": os.getpid(), "t": time.time()}), flush=True)
+    start = {"event": "start", "pid": os.getpid(), "joining": backend.joining, "rank": backend.rank}
+    print(json.dumps({**start, "t": time.time()}), flush=True)
     if os.environ.get("STOP_AT") == "start" and backend.rank == int(os.environ["STOP_RANK"]):
         print(json.dumps({"event": "stopping", "step": -1, "t": time.time()}), flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
