@@ -22,7 +22,6 @@ import copy
 import itertools
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -159,18 +158,24 @@ DEEP = 100_000  # far past json.loads' recursion limit
 Mutate = Callable[[dict[str, Any]], Any]
 
 
-def _capped() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
+# The cap is set by a small program that then execs the command, not by a
+# preexec_fn: that makes subprocess fork this process, whose gRPC (loaded
+# by other tests) restarts its poller in the child, which then logs an
+# epoll error on stderr as the child's descriptors are closed for exec.
+CAPPED = (
+    "import os, resource, sys; "
+    f"resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_CAP}, {MEMORY_CAP})); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
 
 
 def _run(*args: str) -> tuple[int, str, float]:
     start = time.monotonic()
     proc = subprocess.run(
-        [COMMAND, *args],
+        [sys.executable, "-c", CAPPED, COMMAND, *args],
         capture_output=True,
         text=True,
         timeout=60,
-        preexec_fn=_capped,
         check=False,
     )
     return proc.returncode, proc.stderr, time.monotonic() - start
