@@ -22,6 +22,13 @@ RUNS: dict[str, tuple[list[str], str]] = {
         ["--params", "2e5", "--nproc", "2", "--repeats", "1", "--steps", "3", "--warmup", "1"],
         "elastic / fixed step time",
     ),
+    "fsdp_elastic_recovery.py": (
+        [
+            *("--params", "200k", "--nproc", "3", "--repeats", "1", "--steps", "40"),
+            *("--warmup", "2", "--pace", "0.25", "--shm", "--timeout", "60"),
+        ],
+        "joiner rate / bare stream",
+    ),
     "gen_proto.py": (["--check"], ""),
     "grpc_ceiling.py": (
         ["--world-size", "2", "--mib", "2", "--chunk-kib", "256", "--start-delay", "3"],
@@ -36,6 +43,23 @@ RUNS: dict[str, tuple[list[str], str]] = {
         "trace vs off",
     ),
     "own_cost.py": (["--world-size", "2", "--mib", "1", "--iters", "1"], "ms"),
+    "restart_anchor.py": (
+        [
+            "--params",
+            "1M",
+            "--nproc",
+            "2",
+            "--repeats",
+            "1",
+            "--steps",
+            "5",
+            "--ckpt-step",
+            "1",
+            "--kill-step",
+            "3",
+        ],
+        "kill -> first step after restart",
+    ),
     "small_cpu.py": (["--world", "2", "--calls", "20"], "us"),
 }
 # (elastic_chaos.py's engine runs in tests/test_restart.py.)
