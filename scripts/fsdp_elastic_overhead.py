@@ -78,8 +78,9 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, float]:
         "STEPS": str(args.steps),
         "WARMUP": str(args.warmup),
         "MODE": mode,
-        # Two cores for N ranks: no member is taken for silent by a busy host.
-        "FERROGRPC_HEARTBEAT_TIMEOUT": "20",
+        # (20 s: two cores for N ranks, no member is taken for silent by a
+        # busy host; the coordinator forms the first epoch after it, too.)
+        "FERROGRPC_HEARTBEAT_TIMEOUT": str(args.heartbeat),
     }
     with tempfile.TemporaryDirectory() as tmp:
         coordinator = subprocess.Popen(
@@ -128,6 +129,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--heartbeat", type=float, default=20.0, help="FERROGRPC_HEARTBEAT_TIMEOUT")
     args = parser.parse_args()
     args.params = int(args.params)
     pairs = []

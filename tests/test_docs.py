@@ -67,9 +67,9 @@ FILE = re.compile(r"file:\s*(\S+)")
 EXPECT = {
     "docs/elastic.md": [
         "a joiner: rank -1 until steps() admits it",
-        "rank 0 of 3: done at step 150",
-        "rank 1 of 3: done at step 150",
-        "rank 2 of 3: done at step 150",
+        "rank 0 of 3: done at step 80",
+        "rank 1 of 3: done at step 80",
+        "rank 2 of 3: done at step 80",
     ],
     "docs/launchers.md": ["rank 0 of 2: done at step 20", "rank 1 of 2: done at step 20"],
     "docs/troubleshooting.md": [

@@ -19,13 +19,16 @@ RUNS: dict[str, tuple[list[str], str]] = {
     ),
     "elastic_soak.py": (["--nproc", "2", "--burners", "0", "--seconds", "3"], "OK: nobody removed"),
     "fsdp_elastic_overhead.py": (
-        ["--params", "2e5", "--nproc", "2", "--repeats", "1", "--steps", "3", "--warmup", "1"],
+        [
+            *("--params", "2e5", "--nproc", "2", "--repeats", "1", "--steps", "3"),
+            *("--warmup", "1", "--heartbeat", "2"),
+        ],
         "elastic / fixed step time",
     ),
     "fsdp_elastic_recovery.py": (
         [
             *("--params", "200k", "--nproc", "3", "--repeats", "1", "--steps", "40"),
-            *("--warmup", "2", "--pace", "0.25", "--shm", "--timeout", "60"),
+            *("--warmup", "2", "--pace", "0.25", "--shm", "--timeout", "60", "--heartbeat", "2"),
         ],
         "joiner rate / bare stream",
     ),
