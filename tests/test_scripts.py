@@ -32,6 +32,13 @@ RUNS: dict[str, tuple[list[str], str]] = {
         ],
         "joiner rate / bare stream",
     ),
+    "fsdp_redundancy_ab.py": (
+        [
+            *("--params", "2e5", "--nproc", "2", "--repeats", "1", "--steps", "3"),
+            *("--warmup", "1", "--modes", "grad", "stream"),
+        ],
+        "stream: ",
+    ),
     "gen_proto.py": (["--check"], ""),
     "grpc_ceiling.py": (
         ["--world-size", "2", "--mib", "2", "--chunk-kib", "256", "--start-delay", "3"],
