@@ -35,6 +35,13 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
+def parse_count(text: str) -> int:
+    """A count in decimal units, as a model's parameters are given: ``25M``,
+    ``200k``, ``2.5e6``."""
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text.strip()[-1:].upper(), 0)
+    return int(float(text.strip()[:-1]) * scale) if scale else int(float(text))
+
+
 def rotated(names: list[str], i: int) -> list[str]:
     """``names`` starting at position ``i`` (mod its length): round ``i`` of an
     interleaved comparison, so that no implementation always runs right after

@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from client.common import parse_count  # noqa: E402
+
 WIDTH = 1024
 
 
@@ -123,7 +126,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--params", type=float, default=25e6)
+    parser.add_argument("--params", type=parse_count, default=25_000_000, help="e.g. 25M, 2e5")
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--warmup", type=int, default=4)
@@ -131,7 +134,6 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--heartbeat", type=float, default=20.0, help="FERROGRPC_HEARTBEAT_TIMEOUT")
     args = parser.parse_args()
-    args.params = int(args.params)
     pairs = []
     for i in range(args.repeats):
         order = ("fixed", "elastic") if i % 2 == 0 else ("elastic", "fixed")

@@ -39,6 +39,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from client.common import parse_count  # noqa: E402
+
 WIDTH = 1024
 KILLS = ("before", "forward", "backward")
 
@@ -282,7 +285,9 @@ def one(at: str, args: argparse.Namespace) -> dict[str, float]:
     # The kill step itself is void (re-run over the survivors): the first
     # step they complete is that one.
     moved = joined["moved"]
+    shrink = [d["moved"]["seconds"] for d in got if "moved" in d and d["world"] == args.nproc - 1]
     return {
+        "reshard": max(shrink),
         "step": step,
         "recovery": recovered - kill["t"],
         "kill_step": float(killed_at + 1),
@@ -290,12 +295,6 @@ def one(at: str, args: argparse.Namespace) -> dict[str, float]:
         "joiner_bytes": moved["bytes"],
         "joiner_seconds": moved["seconds"],
     }
-
-
-def _count(text: str) -> int:
-    """A count such as 25M, 2.5e6 or 200k."""
-    scale = {"k": 1e3, "m": 1e6, "g": 1e9}.get(text[-1:].lower(), 0)
-    return int(float(text[:-1]) * scale if scale else float(text))
 
 
 def main() -> int:
@@ -309,7 +308,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--params", type=_count, default=25_000_000)
+    parser.add_argument("--params", type=parse_count, default=25_000_000)
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument(
@@ -339,7 +338,8 @@ def main() -> int:
         runs.append(r)
         print(
             f"run {i} (kill {at}, step {r['kill_step']:.0f}): step {r['step']:.2f}s, kill -> "
-            f"survivors' next step {r['recovery']:.2f}s (step {r['first']:.0f}); joiner "
+            f"survivors' next step {r['recovery']:.2f}s (step {r['first']:.0f}; its re-shard "
+            f"{r['reshard']:.2f}s); joiner "
             f"received {r['joiner_bytes'] / 1e6:.1f} MB in {r['joiner_seconds']:.2f}s = "
             f"{r['rate'] / 1e6:.0f} MB/s, bare gRPC stream {bare / 1e6:.0f} MB/s "
             f"({r['rate'] / bare:.0%})",

@@ -37,6 +37,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from client.common import parse_count  # noqa: E402
+
 WIDTH = 1024
 MODES = ("none", "grad", "stream")
 TAG = 0xAB000
@@ -179,12 +182,6 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, float]:
     }
 
 
-def _count(text: str) -> int:
-    """A count such as 25M, 2.5e6 or 200k."""
-    scale = {"k": 1e3, "m": 1e6, "g": 1e9}.get(text[-1:].lower(), 0)
-    return int(float(text[:-1]) * scale if scale else float(text))
-
-
 def main() -> int:
     if "--worker" in sys.argv:
         worker()
@@ -192,7 +189,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--params", type=_count, default=25_000_000)
+    parser.add_argument("--params", type=parse_count, default=25_000_000)
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--warmup", type=int, default=4)

@@ -45,6 +45,9 @@ from typing import Any
 STARTED = time.time()  # before torch is imported: Python is up and reading this file
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from client.common import parse_count  # noqa: E402
+
 WIDTH = 1024
 
 
@@ -206,13 +209,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def count(text: str) -> float:
-    """``25M``, ``1.5M`` or ``25e6``."""
-    if text.endswith(("m", "M")):
-        return float(text[:-1]) * 1e6
-    return float(text)
-
-
 def reap(out: Path) -> None:
     """SIGKILL any worker of a failed run still alive (each sits in a session of its own)."""
     for path in out.glob("rank*.attempt*.jsonl"):
@@ -241,7 +237,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--params", type=count, default=25e6)
+    parser.add_argument("--params", type=parse_count, default=25_000_000)
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--ckpt-step", type=int, default=4)
@@ -249,7 +245,6 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args()
-    args.params = int(args.params)
     if args.nproc < 2:
         parser.error("--nproc must be at least 2: rank 1 is the one killed")
     if not 0 <= args.ckpt_step < args.kill_step < args.steps:

@@ -93,3 +93,35 @@ def test_a_shard_and_its_copy_lost_together_are_named() -> None:
     assert caught.value.shards == [0] and caught.value.buddies == [1]
     # A parameter with no element in a lost shard loses nothing.
     assert plan([0], old, {2: 0, 3: 1}, new) == []
+
+
+@pytest.mark.parametrize(
+    ("old_world", "alive", "new_world"), [(4, [0, 2, 3], 3), (3, [0, 1, 2], 4)]
+)
+def test_a_rank_takes_what_it_holds_from_itself_and_a_grow_moves_little_more(
+    old_world: int, alive: list[int], new_world: int
+) -> None:
+    # Owner and copy are bitwise equal: a rank that holds a range of its new
+    # shard or copy (as the old owner or as its buddy) takes it locally. The
+    # plan used to take every range from the old owner: 4 -> 3 moved 1.08
+    # models' worth of elements and 3 -> 4 moved 1.50, where 0.58 suffice.
+    numels = [1024 * 1024, 1024] * 4
+    old, new = _layout(old_world), _layout(new_world)
+    holders = {k: j for j, k in enumerate(alive)}
+    old_rank = {j: k for k, j in holders.items()}
+    for p in plan(numels, old, holders, new):
+        if p.src == p.dst:
+            continue
+        # The old shard the piece is cut from: the source's own, or the one
+        # it keeps a copy of. The receiver held neither it nor its copy.
+        shard = old_rank[p.src] if p.src_role == OWN else old.copy_of(old_rank[p.src])
+        assert shard is not None
+        buddy = old.buddy(shard)
+        keepers = {holders.get(shard), holders.get(buddy) if buddy is not None else None}
+        assert p.dst not in keepers, p
+    pieces = plan(numels, old, holders, new)
+    moved = sum(p.length for p in pieces if p.src != p.dst) / sum(numels)
+    assert moved == pytest.approx(0.58, abs=0.01), moved
+    if new_world > old_world:  # the joiner's own shard and copy: half the model
+        joiner = sum(p.length for p in pieces if p.dst == new_world - 1) / sum(numels)
+        assert joiner == pytest.approx(0.50, abs=0.01)

@@ -614,7 +614,9 @@ def test_a_joiners_reshard_shows_in_every_members_metrics_and_trace(tmp_path: Pa
     shards = [(n, -(-n // 3)) for n in (p.numel() for p in elastic_train.model().parameters())]
     elements = sum((n - 2 * s) + (min(2 * s, n) - s) for n, s in shards)
     assert received["2"] == 3 * 8 * elements, received
-    assert received["0"] > 0 and received["1"] > 0, received
+    # The members held the whole model already (each its shard and the
+    # other's copy): they take their new pieces from themselves.
+    assert received["0"] == 0 and received["1"] == 0, received
     grown = []
     for path in trace.trace_files(traces):
         events = trace.load(path)["traceEvents"]

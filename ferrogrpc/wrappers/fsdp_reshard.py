@@ -17,8 +17,9 @@ older than a committed step.
 When the group changes (a member lost, or joiners admitted), every member
 computes the same plan: for each parameter and each rank of the new
 layout, its own shard and the copy it keeps are cut from the pieces of
-the old layout's shards, each taken from the old owner if it is still a
-member, else from its buddy. A shard whose owner and buddy are both gone
+the old layout's shards, each taken from the receiving rank itself if it
+holds it (as the old owner or its buddy), else from the old owner if it
+is still a member, else from its buddy. A shard whose owner and buddy are both gone
 is lost: ShardLostError on every member. The pieces travel as
 point-to-point messages, one per pair of ranks, and the new layout takes
 effect only once that change is committed through the coordinator (until
@@ -109,18 +110,17 @@ def plan(
     rank in the new one. Raises Lost if some old shard has neither its
     owner nor its buddy among them (and a parameter has elements in it)."""
 
-    def source(k: int) -> tuple[int, int] | None:
-        if k in holders:
-            return holders[k], OWN
+    def sources(k: int) -> list[tuple[int, int]]:
+        found = [(holders[k], OWN)] if k in holders else []
         buddy = old.buddy(k)
         if buddy is not None and buddy in holders:
-            return holders[buddy], COPY
-        return None
+            found.append((holders[buddy], COPY))
+        return found
 
     lost = sorted(
         k
         for k in range(old.world)
-        if source(k) is None and any(k * old.shard_numel(n) < n for n in numels)
+        if not sources(k) and any(k * old.shard_numel(n) < n for n in numels)
     )
     if lost:
         raise Lost(lost, [old.buddy(k) for k in lost])
@@ -136,9 +136,10 @@ def plan(
                 while lo < hi:
                     k = lo // s_old
                     end = min(hi, (k + 1) * s_old)
-                    where = source(k)
-                    assert where is not None
-                    src, src_role = where
+                    # (Owner and copy are bitwise equal: the one the
+                    # receiver holds itself moves nothing.)
+                    options = sources(k)
+                    src, src_role = next((o for o in options if o[0] == dst), options[0])
                     pieces.append(
                         Piece(
                             index,
