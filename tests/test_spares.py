@@ -277,7 +277,10 @@ def test_a_process_beyond_world_size_at_the_start_joins_with_the_group_state(
     # to come out of init_backend a member without the state: it trained
     # from step 0 with its own optimizer, silently apart from the others.
     steps = 40
-    run = Run(tmp_path, 2, STEPS=str(steps), SLOW="0.1")
+    # A heartbeat timeout of 5 s: the coordinator's quiet period, within
+    # which all three enter (at 2 s, the third, started last on a busy host,
+    # sometimes entered after the first epoch formed: not the case here).
+    run = Run(tmp_path, 2, STEPS=str(steps), SLOW="0.1", FERROGRPC_HEARTBEAT_TIMEOUT="5")
     try:
         run.start_rank()
         run.finish(90)
