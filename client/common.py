@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +42,54 @@ def parse_count(text: str) -> int:
     ``200k``, ``2.5e6``."""
     scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text.strip()[-1:].upper(), 0)
     return int(float(text.strip()[:-1]) * scale) if scale else int(float(text))
+
+
+def run_group(script: str, nproc: int, env: dict[str, str], timeout: float) -> list[dict[str, Any]]:
+    """A coordinator (``python -m server``) for ``nproc`` ranks, each
+    ``script --worker`` with ``env`` (FERROGRPC_COORDINATOR pointing at
+    it is set here); the JSON lines the ranks printed, once all exited.
+    Exits naming ``script``'s output if a rank printed none."""
+    from ferrogrpc.testing import free_port
+
+    port = free_port()
+    env = {
+        **env,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "FERROGRPC_COORDINATOR": f"127.0.0.1:{port}",
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        coordinator = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "server", "--world-size", str(nproc)),
+                *("--host", "127.0.0.1", "--port", str(port)),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=(Path(tmp) / "coordinator.log").open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, script, "--worker"],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+            for _ in range(nproc)
+        ]
+        try:
+            outs = [r.communicate(timeout=timeout)[0].decode() for r in ranks]
+        finally:
+            for proc in [*ranks, coordinator]:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    lines = [json.loads(x) for o in outs for x in o.splitlines() if x.startswith("{")]
+    if len(lines) != nproc:
+        raise SystemExit(f"{script}: a rank failed:\n" + "\n".join(o[-2000:] for o in outs))
+    return lines
 
 
 def rotated(names: list[str], i: int) -> list[str]:

@@ -21,15 +21,13 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from client.common import parse_count  # noqa: E402
+from client.common import parse_count, run_group  # noqa: E402
 
 WIDTH = 1024
 
@@ -68,15 +66,8 @@ def worker() -> None:
 
 
 def run(mode: str, args: argparse.Namespace) -> dict[str, float]:
-    sys.path.insert(0, str(ROOT))
-    from ferrogrpc.testing import free_port
-
-    port = free_port()
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-        "FERROGRPC_COORDINATOR": f"127.0.0.1:{port}",
         "PARAMS": str(args.params),
         "STEPS": str(args.steps),
         "WARMUP": str(args.warmup),
@@ -85,37 +76,7 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, float]:
         # busy host; the coordinator forms the first epoch after it, too.)
         "FERROGRPC_HEARTBEAT_TIMEOUT": str(args.heartbeat),
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        coordinator = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "server", "--world-size", str(args.nproc)),
-                *("--host", "127.0.0.1", "--port", str(port)),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=(Path(tmp) / "coordinator.log").open("wb"),
-            stderr=subprocess.STDOUT,
-        )
-        ranks = [
-            subprocess.Popen(
-                [sys.executable, __file__, "--worker"],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-            for _ in range(args.nproc)
-        ]
-        try:
-            outs = [r.communicate(timeout=args.timeout)[0].decode() for r in ranks]
-        finally:
-            for p in [*ranks, coordinator]:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    lines = [json.loads(x) for o in outs for x in o.splitlines() if x.startswith("{")]
-    if len(lines) != args.nproc:
-        raise SystemExit(f"{mode}: a rank failed:\n" + "\n".join(o[-2000:] for o in outs))
+    lines = run_group(__file__, args.nproc, env, args.timeout)
     return {"step": max(d["step"] for d in lines), "peak": max(d["peak"] for d in lines)}
 
 

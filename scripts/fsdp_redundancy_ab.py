@@ -29,16 +29,14 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from client.common import parse_count  # noqa: E402
+from client.common import parse_count, run_group  # noqa: E402
 
 WIDTH = 1024
 MODES = ("none", "grad", "stream")
@@ -128,51 +126,14 @@ def worker() -> None:
 
 
 def run(mode: str, args: argparse.Namespace) -> dict[str, float]:
-    sys.path.insert(0, str(ROOT))
-    from ferrogrpc.testing import free_port
-
-    port = free_port()
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-        "FERROGRPC_COORDINATOR": f"127.0.0.1:{port}",
         "PARAMS": str(args.params),
         "STEPS": str(args.steps),
         "WARMUP": str(args.warmup),
         "MODE": mode,
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        coordinator = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "server", "--world-size", str(args.nproc)),
-                *("--host", "127.0.0.1", "--port", str(port)),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=(Path(tmp) / "coordinator.log").open("wb"),
-            stderr=subprocess.STDOUT,
-        )
-        ranks = [
-            subprocess.Popen(
-                [sys.executable, __file__, "--worker"],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-            for _ in range(args.nproc)
-        ]
-        try:
-            outs = [r.communicate(timeout=args.timeout)[0].decode() for r in ranks]
-        finally:
-            for p in [*ranks, coordinator]:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    lines = [json.loads(x) for o in outs for x in o.splitlines() if x.startswith("{")]
-    if len(lines) != args.nproc:
-        raise SystemExit(f"{mode}: a rank failed:\n" + "\n".join(o[-2000:] for o in outs))
+    lines = run_group(__file__, args.nproc, env, args.timeout)
     if not all(d["equal"] for d in lines):
         raise SystemExit(f"{mode}: a copy differs from its owner's shard")
     return {
