@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -281,6 +282,60 @@ def test_env_rendezvous_names_the_missing_rank_within_the_connect_timeout() -> N
     assert alone["error"] == "RendezvousError", alone
     assert f"no TCPStore answered at 127.0.0.1:{lonely} within 5s" in str(alone["message"])
     _one_line_in_time(alone, e2)
+
+
+# Rank 0 of a 3-rank job, serving the store: it publishes its entry, says
+# so, and waits to be killed.
+STORE_HOST = """
+import sys, json, datetime
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True,
+                      timeout=datetime.timedelta(seconds=60))
+store.set("job/peer/0", json.dumps({"address": "a", "nonce": "n", "world_size": "3"}))
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_whose_store_host_dies_first_still_names_the_missing_rank() -> None:
+    # CI once saw rank 1 of 3 report only "the TCPStore failed: Failed to
+    # recv" when rank 0, which serves the store, gave up on the missing
+    # rank 2 a moment before rank 1 did. Rank 0 now waits a little longer
+    # than the others; and if its store closes first all the same (here:
+    # SIGKILLed), rank 1 still names rank 2, from its last look.
+    from datetime import timedelta
+
+    from ferrogrpc.control.rendezvous import exchange_through_store
+
+    port = free_port()
+    host = subprocess.Popen(
+        [sys.executable, "-c", STORE_HOST, str(port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert host.stdout is not None and host.stdout.readline().strip() == "ready"
+        store = torch.distributed.TCPStore(
+            "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30)
+        )
+        killer = threading.Timer(1.5, host.kill)
+        killer.start()
+        start = time.monotonic()
+        with pytest.raises(fg.RendezvousError) as caught:
+            exchange_through_store(
+                store, "job/", 1, 3, {"address": "b", "nonce": "m"}, 20.0, hosted_here=True
+            )
+        killer.join()
+    finally:
+        host.kill()
+        host.wait()
+    message = str(caught.value)
+    assert "rank 2 of WORLD_SIZE=3 did not publish" in message, message
+    assert "published: ranks 0, 1" in message, message
+    assert "before rank 0 closed the store" in message, message
+    assert time.monotonic() - start < 10, message
 
 
 @pytest.mark.timeout(90)

@@ -29,6 +29,11 @@ POLL_MAX_S = 0.05
 # How often the ranks already published are read for their WORLD_SIZE while
 # others are awaited (one store read per rank).
 SCAN_S = 0.5
+# How much longer a rank 0 that serves the store waits for the others than
+# they wait for each other (a fraction of the timeout, at most this): when a
+# rank never comes, the clients reach their deadline, and name it, before
+# rank 0 gives up and the store closes under them.
+HOST_GRACE_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +114,10 @@ def exchange_through_store(
         deadline = time.monotonic() + timeout
     store.set(f"{prefix}peer/{rank}", json.dumps({**entry, "world_size": str(world_size)}))
     keys = [f"{prefix}peer/{r}" for r in range(world_size)]
-    _await_keys(store, keys, rank, world_size, deadline, timeout, f"its address to {where}")
+    what = f"its address to {where}"
+    if hosted_here and rank == 0:
+        deadline += min(HOST_GRACE_S, 0.1 * timeout)
+    _await_keys(store, keys, rank, world_size, deadline, timeout, what, hosted_here and rank != 0)
     table: list[dict[str, str]] = [json.loads(store.get(k).decode()) for k in keys]
     _check_world_sizes(dict(enumerate(table)), rank, world_size)
     if hosted_here:
@@ -128,34 +136,54 @@ def _await_keys(
     deadline: float,
     timeout: float,
     what: str,
+    served_by_rank0: bool = False,
 ) -> None:
     """Wait until every key of ``keys`` (one per rank) is set. Meanwhile the
     entries already published are checked for a world size of their own;
-    at ``deadline``, a RendezvousError names the ranks that never set theirs."""
+    at ``deadline``, a RendezvousError names the ranks that never set theirs.
+    ``served_by_rank0``: the store is this job's rank 0's, which gives up a
+    little later than we do; if it closes first all the same, the error
+    names the ranks missing at our last look, and says the store closed."""
     pause = POLL_FIRST_S
     scanned = -SCAN_S  # the first look: at once
     peers = "/peer/" in keys[0]
-    while not store.check(keys):
-        now = time.monotonic()
-        if now >= deadline:
-            present = [r for r, k in enumerate(keys) if store.check([k])]
-            missing = [r for r in range(len(keys)) if r not in present]
-            raise RendezvousError(
-                f"{_ranks(missing)} of WORLD_SIZE={world_size} did not publish {what} within "
-                f"{timeout:g}s (published: {_ranks(present) if present else 'none'}); "
-                "check that every rank runs, with the same MASTER_ADDR, MASTER_PORT and "
-                "WORLD_SIZE",
-                rank=rank,
-                world_size=world_size,
-            )
-        if peers and now - scanned >= SCAN_S:
-            scanned = now
-            published = {
-                r: json.loads(store.get(k).decode()) for r, k in enumerate(keys) if store.check([k])
-            }
-            _check_world_sizes(published, rank, world_size)
-        time.sleep(min(pause, max(0.0, deadline - now)))
-        pause = min(pause * 2, POLL_MAX_S)
+    seen: list[int] = []
+    try:
+        while not store.check(keys):
+            now = time.monotonic()
+            if now >= deadline:
+                seen = [r for r, k in enumerate(keys) if store.check([k])]
+                raise _unpublished(seen, len(keys), rank, world_size, what, f"within {timeout:g}s")
+            if peers and now - scanned >= SCAN_S:
+                scanned = now
+                published = {
+                    r: json.loads(store.get(k).decode())
+                    for r, k in enumerate(keys)
+                    if store.check([k])
+                }
+                seen = sorted(published)
+                _check_world_sizes(published, rank, world_size)
+            time.sleep(min(pause, max(0.0, deadline - now)))
+            pause = min(pause * 2, POLL_MAX_S)
+    except (RuntimeError, OSError) as exc:
+        if not (served_by_rank0 and seen):
+            raise
+        closed = f"before rank 0 closed the store ({_first_line(exc)}: it gave up or died)"
+        raise _unpublished(seen, len(keys), rank, world_size, what, closed) from exc
+
+
+def _unpublished(
+    present: list[int], n: int, rank: int, world_size: int, what: str, when: str
+) -> RendezvousError:
+    missing = [r for r in range(n) if r not in present]
+    return RendezvousError(
+        f"{_ranks(missing)} of WORLD_SIZE={world_size} did not publish {what} {when} "
+        f"(published: {_ranks(present) if present else 'none'}); "
+        "check that every rank runs, with the same MASTER_ADDR, MASTER_PORT and "
+        "WORLD_SIZE",
+        rank=rank,
+        world_size=world_size,
+    )
 
 
 def _check_world_sizes(entries: dict[int, dict[str, str]], rank: int, world_size: int) -> None:
