@@ -258,6 +258,57 @@ def test_an_optimizer_step_lets_a_transfer_in_flight_end_first() -> None:
     assert len(seen) == 2
 
 
+def test_a_boundary_the_group_agreed_it_is_past_costs_no_collective() -> None:
+    """A member of an elastic FSDP group voided its step in the sync (the
+    position it gave the new epoch: 2 x step + 1) while another, whose
+    boundary collective the lost rank had not reached, was still at that
+    step's boundary (2 x step): the group agreed it is inside the step, so
+    the second returned from its boundary and runs the step. The first
+    re-runs the void step from ``steps()``, through the boundary: there it
+    must not run the boundary's collective, which the second does not. CI
+    once saw the two swap places at every epoch, forever (290 epochs in 25
+    s, no step)."""
+    import threading
+
+    from ferrogrpc.elastic.backend import ElasticBackend
+    from ferrogrpc.env import Settings
+
+    calls: list[str] = []
+
+    class Life:
+        broken = None
+
+    class Current:  # the epoch's Backend, as far as the boundary reads it
+        rank, data_path, world_size = 0, "grpc", 2
+
+        class peer:  # noqa: N801
+            _life = Life()
+
+            @staticmethod
+            def _set_stamp(stamp: int) -> None: ...
+
+        def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+            calls.append("all_reduce")
+
+    class Client:
+        latest = None
+
+    backend = ElasticBackend.__new__(ElasticBackend)
+    backend._current = Current()  # type: ignore[assignment]
+    backend._stateless = False
+    backend._s = Settings.from_env({}).merged(shm=False)
+    backend.state = None
+    backend._lock = threading.Lock()
+    backend._removed_me, backend._removed_ranks = False, []
+    backend._client = Client()  # type: ignore[assignment]
+    backend._epoch, backend._stamped = 3, True
+    backend._last_target = 2 * 7 + 1  # the group: inside step 7's sync
+    assert backend.boundary(7) is False
+    assert calls == []  # the void step 7 re-runs without the boundary's collective
+    assert backend.boundary(8) is False
+    assert calls == ["all_reduce"]  # the next boundary is everyone's
+
+
 def test_a_spare_segment_is_made_where_the_next_epoch_may_share_the_host() -> None:
     """[Note: a segment made ahead]: a joiner, a member whose epoch has
     ranks on its host, and a lone member (its next epoch admits a joiner,

@@ -517,9 +517,12 @@ class ElasticBackend:
                     if self._behind():
                         self._rejoin()
                         return True
-                    if 2 * self._step < self._last_target:
-                        return received
                     continue
+                if 2 * self._step < self._last_target:
+                    # The group agreed at the last change that it is past this
+                    # boundary (in this step's sync): a void step re-runs from
+                    # here, without it, as the others do ([Note: shards held twice]).
+                    return received
                 latest = self._client.latest
                 # (An answer from before this epoch formed may still count
                 # the joiners it admitted.)
