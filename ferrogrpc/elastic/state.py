@@ -62,6 +62,11 @@ from .header import (
     read_header,
     resolve,
 )
+from .messages import Segment as _Segment
+from .messages import as_bytes as _bytes
+from .messages import messages as _messages
+from .messages import stripes as _stripes
+from .messages import unpack
 
 logger = logging.getLogger("ferrogrpc.elastic")
 
@@ -69,17 +74,6 @@ logger = logging.getLogger("ferrogrpc.elastic")
 # below these).
 HEADER_TAG = 0xFE57A7E0
 DATA_TAG = HEADER_TAG + 1
-# The most bytes one message of a stripe carries; a segment smaller than
-# PACK_BELOW is packed with its neighbours into one message.
-MESSAGE_BYTES = 32 * 2**20
-PACK_BELOW = 4 * 2**20
-
-
-@dataclasses.dataclass(frozen=True)
-class _Segment:
-    tensor: int  # index into the tensor list
-    lo: int  # byte range within that tensor
-    hi: int
 
 
 def _moments_per_parameter(group: dict[str, Any], optimizer: torch.optim.Optimizer) -> int:
@@ -140,55 +134,7 @@ def _land(
     for work, packed, staged in works:
         work.wait()
         if staged is not None:
-            offset = 0
-            for seg in packed:
-                n = seg.hi - seg.lo
-                _bytes(targets[seg.tensor])[seg.lo : seg.hi].copy_(staged[offset : offset + n])
-                offset += n
-
-
-def _stripes(total: int, members: int) -> list[tuple[int, int]]:
-    """Byte ranges of the stream, one per member, 64-byte aligned."""
-    step = -(-total // members)
-    step = -(-step // 64) * 64
-    return [(min(total, i * step), min(total, (i + 1) * step)) for i in range(members)]
-
-
-def _messages(sizes: list[int], lo: int, hi: int) -> list[list[_Segment]]:
-    """The messages of stripe [lo, hi) of the stream of tensors of ``sizes``
-    bytes: a large segment travels alone (straight from and into its
-    tensor), small neighbours are packed together; none exceeds
-    MESSAGE_BYTES. Members and joiners compute the same list."""
-    messages: list[list[_Segment]] = []
-    packed: list[_Segment] = []
-    packed_bytes = 0
-    start = 0
-    for index, size in enumerate(sizes):
-        end = start + size
-        a, b = max(lo, start), min(hi, end)
-        if a < b:
-            seg_lo, seg_hi = a - start, b - start
-            if seg_hi - seg_lo >= PACK_BELOW:
-                if packed:
-                    messages.append(packed)
-                    packed, packed_bytes = [], 0
-                for cut in range(seg_lo, seg_hi, MESSAGE_BYTES):
-                    messages.append([_Segment(index, cut, min(seg_hi, cut + MESSAGE_BYTES))])
-            else:
-                if packed_bytes + (seg_hi - seg_lo) > MESSAGE_BYTES:
-                    messages.append(packed)
-                    packed, packed_bytes = [], 0
-                packed.append(_Segment(index, seg_lo, seg_hi))
-                packed_bytes += seg_hi - seg_lo
-        start = end
-    if packed:
-        messages.append(packed)
-    return messages
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes, as a flat uint8 view (``t`` contiguous, on the CPU)."""
-    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+            unpack(staged, packed, targets)
 
 
 class ElasticState:

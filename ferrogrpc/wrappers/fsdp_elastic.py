@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..elastic.messages import Segment, as_bytes, messages, unpack
 from ..errors import ConfigError, FerroGrpcError, ShardLostError
 from ..observe.observer import FSDP_RESHARD
 from ..runtime.peer import observer_of
@@ -25,8 +26,6 @@ logger = logging.getLogger("ferrogrpc.fsdp")
 # Point-to-point tags: a gradient handed to a buddy; a re-shard's pieces.
 GRAD_TAG = 0xFE57B000
 MOVE_TAG = GRAD_TAG + 1
-# The most bytes one message carries.
-MESSAGE_BYTES = 32 * 2**20
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
 _DTYPES.update({str(d): d for d in (torch.int64, torch.int32, torch.uint8, torch.bool)})
@@ -51,10 +50,6 @@ class ElasticGroup(Protocol):
     def peer(self) -> Any: ...
     def run_sync(self, attempt: Callable[[], Callable[[], None]], rerun: bool = ...) -> bool: ...
     def __getattr__(self, name: str) -> Any: ...
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 class ElasticShards:
@@ -177,7 +172,7 @@ class ElasticShards:
         trained = self._trained()
         works: list[Work[Any]] = []
         if buddy is not None and trained:
-            flat = torch.cat([_bytes(grads[i].contiguous()) for i in trained])
+            flat = torch.cat([as_bytes(grads[i].contiguous()) for i in trained])
             works.append(backend.send(flat, buddy, GRAD_TAG, async_op=True))
         received: list[torch.Tensor | None] = [None] * len(self._entries)
         if owner is not None and trained:
@@ -391,52 +386,88 @@ class ElasticShards:
             for i, e in enumerate(self._entries)
         ]
 
-        def fresh(role: int) -> list[list[torch.Tensor]]:
-            if role == COPY and new.copy_of(me) is None:
-                return [[] for _ in self._entries]
-            return [
-                [torch.zeros(new.shard_numel(e.numel), dtype=d) for d in dtypes[i]]
-                for i, e in enumerate(self._entries)
-            ]
-
-        out = {OWN: fresh(OWN), COPY: fresh(COPY)}
+        # Each piece's planes, as byte views: from the old planes to send
+        # (unchanged until the swap), into the new planes to receive. Both
+        # sides list a pair's pieces in plan order, planes in order, and
+        # cut them into the same messages (elastic/messages.py). The sends
+        # go first, so that the others' receipts start while this rank
+        # allocates its new planes; a large piece is received straight
+        # into its place, every receive posted at once.
         outgoing: dict[int, list[torch.Tensor]] = {}
-        incoming: dict[int, list[Piece]] = {}
         for p in pieces:
+            if p.src == me and p.dst != me:
+                outgoing.setdefault(p.dst, []).extend(
+                    as_bytes(src[p.src_lo : p.src_lo + p.length])
+                    for src in self._planes(p.entry, p.src_role, planes)
+                )
+        works: list[Work[Any]] = []
+        for peer, views in outgoing.items():
+            sizes = [v.numel() for v in views]
+            for message in messages(sizes, 0, sum(sizes)):
+                if len(message) == 1:
+                    data = views[message[0].tensor][message[0].lo : message[0].hi]
+                else:
+                    data = torch.cat([views[g.tensor][g.lo : g.hi] for g in message])
+                works.append(backend.send(data, peer, MOVE_TAG, async_op=True))
+        out = {role: self._fresh(role, pieces, dtypes, new, me) for role in (OWN, COPY)}
+        incoming: dict[int, list[torch.Tensor]] = {}
+        for p in pieces:
+            if p.dst != me:
+                continue
+            into = out[p.dst_role][p.entry]
             if p.src == me:
                 sources = self._planes(p.entry, p.src_role, planes)
-                if p.dst == me:
-                    for src, dst in zip(sources, out[p.dst_role][p.entry], strict=True):
-                        dst[p.dst_lo : p.dst_lo + p.length] = src[p.src_lo : p.src_lo + p.length]
-                else:
-                    outgoing.setdefault(p.dst, []).extend(
-                        _bytes(src[p.src_lo : p.src_lo + p.length].contiguous()) for src in sources
-                    )
-            elif p.dst == me:
-                incoming.setdefault(p.src, []).append(p)
-        works: list[Work[Any]] = []
-        received = 0
-        for peer, parts in outgoing.items():
-            flat = torch.cat(parts)
-            for lo in range(0, flat.numel(), MESSAGE_BYTES):
-                works.append(
-                    backend.send(flat[lo : lo + MESSAGE_BYTES], peer, MOVE_TAG, async_op=True)
+                for src, dst in zip(sources, into, strict=True):
+                    dst[p.dst_lo : p.dst_lo + p.length] = src[p.src_lo : p.src_lo + p.length]
+            else:
+                incoming.setdefault(p.src, []).extend(
+                    as_bytes(dst[p.dst_lo : p.dst_lo + p.length]) for dst in into
                 )
-        for peer, got in sorted(incoming.items()):
-            size = sum(p.length * sum(d.itemsize for d in dtypes[p.entry]) for p in got)
-            into = torch.empty(size, dtype=torch.uint8)
-            received += size
-            for lo in range(0, size, MESSAGE_BYTES):
-                backend.recv(into[lo : lo + MESSAGE_BYTES], peer, MOVE_TAG)
-            offset = 0
-            for p in got:
-                for dtype, dst in zip(dtypes[p.entry], out[p.dst_role][p.entry], strict=True):
-                    n = p.length * dtype.itemsize
-                    dst[p.dst_lo : p.dst_lo + p.length] = into[offset : offset + n].view(dtype)
-                    offset += n
+        staged: list[tuple[Work[Any], list[Segment], torch.Tensor, list[torch.Tensor]]] = []
+        received = 0
+        for peer, views in sorted(incoming.items()):
+            sizes = [v.numel() for v in views]
+            received += sum(sizes)
+            for message in messages(sizes, 0, sum(sizes)):
+                if len(message) == 1:
+                    seg = message[0]
+                    into_bytes = views[seg.tensor][seg.lo : seg.hi]
+                    works.append(backend.recv(into_bytes, peer, MOVE_TAG, async_op=True))
+                else:
+                    buf = torch.empty(sum(g.hi - g.lo for g in message), dtype=torch.uint8)
+                    work = backend.recv(buf, peer, MOVE_TAG, async_op=True)
+                    staged.append((work, message, buf, views))
+        for work, message, buf, views in staged:
+            work.wait()
+            unpack(buf, message, views)
         for work in works:
             work.wait()
         return out[OWN], out[COPY], received
+
+    def _fresh(
+        self, role: int, pieces: list[Piece], dtypes: list[list[torch.dtype]], new: Layout, me: int
+    ) -> list[list[torch.Tensor]]:
+        """The new layout's planes of one role on this rank, uninitialised
+        where the plan's pieces will fill them and zero elsewhere (the
+        padding past a parameter's end)."""
+        if role == COPY and new.copy_of(me) is None:
+            return [[] for _ in self._entries]
+        filled: dict[int, list[tuple[int, int]]] = {}
+        for p in pieces:
+            if p.dst == me and p.dst_role == role:
+                filled.setdefault(p.entry, []).append((p.dst_lo, p.dst_lo + p.length))
+        out = []
+        for i, e in enumerate(self._entries):
+            n = new.shard_numel(e.numel)
+            planes = [torch.empty(n, dtype=d) for d in dtypes[i]]
+            at = 0
+            for lo, hi in [*sorted(filled.get(i, [])), (n, n)]:
+                if lo > at:
+                    for plane in planes:
+                        plane[at:lo] = 0
+                at = max(at, hi)
+            out.append(planes)
+        return out
 
     def _take(
         self,
