@@ -271,6 +271,7 @@ def test_a_boundary_the_group_agreed_it_is_past_costs_no_collective() -> None:
     import threading
 
     from ferrogrpc.elastic.backend import ElasticBackend
+    from ferrogrpc.elastic.progress import Progress
     from ferrogrpc.env import Settings
 
     calls: list[str] = []
@@ -303,10 +304,40 @@ def test_a_boundary_the_group_agreed_it_is_past_costs_no_collective() -> None:
     backend._client = Client()  # type: ignore[assignment]
     backend._epoch, backend._stamped = 3, True
     backend._last_target = 2 * 7 + 1  # the group: inside step 7's sync
+    backend._progress = Progress()
+    backend._progress.changes = 3
     assert backend.boundary(7) is False
     assert calls == []  # the void step 7 re-runs without the boundary's collective
+    assert backend._progress.changes == 3  # (no step made yet)
     assert backend.boundary(8) is False
     assert calls == ["all_reduce"]  # the next boundary is everyone's
+    assert backend._progress.changes == 0  # a boundary passed: progress
+
+
+def test_epoch_changes_without_a_step_end_in_an_error_naming_the_livelock() -> None:
+    """The guard behind the fix above: a member whose group changes epoch
+    FRUITLESS_CHANGES times in a row with no step completed between (each
+    recovery itself succeeding) raises a ProtocolError saying so, instead
+    of changing again forever; a completed step resets the count."""
+    from ferrogrpc.elastic.backend import ElasticBackend
+    from ferrogrpc.elastic.progress import FRUITLESS_CHANGES, Progress
+
+    backend = ElasticBackend.__new__(ElasticBackend)
+    backend._current, backend._stateless = None, True  # (its rank: -1)
+    backend._progress = Progress()
+    recoveries: list[int] = []
+    backend._recover_once = lambda cause: recoveries.append(1) is None and False  # type: ignore[method-assign]
+    cause = fg.ProtocolError("ranks disagree on kind", rank=0, op="all_reduce")
+    for _ in range(FRUITLESS_CHANGES):
+        assert backend.recover(cause) is False
+    backend._progress.made()  # a step completed: the count starts again
+    for _ in range(FRUITLESS_CHANGES):
+        backend.recover(cause)
+    with pytest.raises(fg.ProtocolError) as caught:
+        backend.recover(cause)
+    assert len(recoveries) == 2 * FRUITLESS_CHANGES  # the last one never ran
+    assert f"changed epoch {FRUITLESS_CHANGES} times in a row" in str(caught.value)
+    assert "ranks disagree on kind" in str(caught.value)
 
 
 def test_a_spare_segment_is_made_where_the_next_epoch_may_share_the_host() -> None:

@@ -49,6 +49,7 @@ from ..samehost.segment import Spare
 from ..transport.grpc_streams import GrpcTransport
 from ..v1 import rendezvous_pb2 as rpb
 from .epoch import GroupState, Membership, Resharder, Settling, StartFailed, removal, start_peer
+from .progress import Progress
 
 logger = logging.getLogger("ferrogrpc.elastic")
 
@@ -98,10 +99,8 @@ class ElasticBackend:
         self._lock = threading.Lock()
         self._closed = False
         # The next epoch's shared segment, made ahead ([Note: a segment made
-        # ahead] in samehost/segment.py).
+        # ahead]), and channels to the joiners that wait (_connect_ahead).
         self._spare = Spare()
-        # What the next epoch takes: that segment, and channels to the
-        # joiners that wait (see _connect_ahead).
         self._ahead = Ahead(self._spare)
         # The state a joiner receives, and members send (ElasticState).
         self.state: GroupState | None = None
@@ -110,11 +109,9 @@ class ElasticBackend:
         # Where this process is (see _settle): the step it runs, 0 at its
         # boundary or 1 in its gradient sync; the gradient syncs of this
         # epoch so far (each committed through the coordinator); the
-        # position the last new epoch agreed on.
-        self._step = 0
-        self._phase = 0
-        self._syncs = 0
-        self._last_target = 0
+        # position the last new epoch agreed on; changes since a step.
+        self._step, self._phase, self._syncs, self._last_target = 0, 0, 0, 0
+        self._progress = Progress()
         # Whether this epoch's collectives carry the step (see _stamp).
         self._stamped = False
         self._starting: tuple[EpochRendezvous, concurrent.futures.Future[Peer]] | None = None
@@ -336,6 +333,7 @@ class ElasticBackend:
         Raises:
             QuorumLostError: fewer than ``min_world_size`` would remain.
         """
+        self._progress.changed(cause, self.rank)
         rejoined = False
         while True:
             try:
@@ -537,6 +535,7 @@ class ElasticBackend:
                 flag = torch.tensor([waiting], dtype=torch.int32)
                 self._require().all_reduce(flag, "max")
                 if int(flag.item()) == 0:
+                    self._progress.made()
                     return received
                 if self.state is not None:
                     # Every member sends its stripe of a state it holds
@@ -578,6 +577,7 @@ class ElasticBackend:
                 write = attempt()
                 if self._commit():
                     write()
+                    self._progress.made()
                     return False
                 cause: FerroGrpcError = PeerError(
                     "the group lost members before this sync was committed: it is "
