@@ -306,12 +306,18 @@ def test_a_boundary_the_group_agreed_it_is_past_costs_no_collective() -> None:
     backend._last_target = 2 * 7 + 1  # the group: inside step 7's sync
     backend._progress = Progress()
     backend._progress.changes = 3
+    backend._void_step = 7  # (run_sync: FSDP's step 7 was void here)
     assert backend.boundary(7) is False
     assert calls == []  # the void step 7 re-runs without the boundary's collective
     assert backend._progress.changes == 3  # (no step made yet)
     assert backend.boundary(8) is False
     assert calls == ["all_reduce"]  # the next boundary is everyone's
     assert backend._progress.changes == 0  # a boundary passed: progress
+    # A process whose step was not void here (DDP redoes its sync instead)
+    # keeps the boundary's collective, as before.
+    backend._void_step, backend._last_target = -1, 2 * 9 + 1
+    assert backend.boundary(9) is False
+    assert calls == ["all_reduce", "all_reduce"]
 
 
 def test_epoch_changes_without_a_step_end_in_an_error_naming_the_livelock() -> None:

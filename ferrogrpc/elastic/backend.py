@@ -111,7 +111,7 @@ class ElasticBackend:
         # epoch so far (each committed through the coordinator); the
         # position the last new epoch agreed on; changes since a step.
         self._step, self._phase, self._syncs, self._last_target = 0, 0, 0, 0
-        self._progress = Progress()
+        self._progress, self._void_step = Progress(), -1  # (a void step: run_sync)
         # Whether this epoch's collectives carry the step (see _stamp).
         self._stamped = False
         self._starting: tuple[EpochRendezvous, concurrent.futures.Future[Peer]] | None = None
@@ -516,10 +516,10 @@ class ElasticBackend:
                         self._rejoin()
                         return True
                     continue
-                if 2 * self._step < self._last_target:
-                    # The group agreed at the last change that it is past this
-                    # boundary (in this step's sync): a void step re-runs from
-                    # here, without it, as the others do ([Note: shards held twice]).
+                if self._void_step == self._step < self._last_target / 2:
+                    # This step was void here (FSDP's) while the group agreed it
+                    # is past this boundary (in the step's sync): it re-runs from
+                    # here without it, as the others do ([Note: shards held twice]).
                     return received
                 latest = self._client.latest
                 # (An answer from before this epoch formed may still count
@@ -593,6 +593,7 @@ class ElasticBackend:
                 self._rejoin()
                 rejoined = True
             if rejoined:
+                self._void_step = self._step if rerun else -1
                 if self.state is not None:
                     self.state.rejoined()  # the step's index is the group's
                 return True
