@@ -320,6 +320,64 @@ def test_a_boundary_the_group_agreed_it_is_past_costs_no_collective() -> None:
     assert calls == ["all_reduce", "all_reduce"]
 
 
+def test_a_member_placed_as_a_joiner_by_its_own_grow_takes_the_groups_step() -> None:
+    """A member at a boundary that admits a joiner enters the GROW epoch;
+    if it was removed meanwhile (a stall, or its peer could not start in
+    the epoch before), the coordinator places it among the joiners, and
+    its settle receives the group's state and step. The boundary must then
+    say so, so that ``steps()`` yields the group's step, not this
+    process's. CI's chaos test saw the process train its own step 17 with
+    the group at step 20 (stamped 20, so its collectives matched): a
+    slice of another step's batch in the group's mean, silently."""
+    import threading
+
+    from ferrogrpc.elastic.backend import ElasticBackend
+    from ferrogrpc.elastic.progress import Progress
+    from ferrogrpc.env import Settings
+
+    class Life:
+        broken = None
+
+    class Current:
+        rank, data_path, world_size = 0, "grpc", 3
+
+        class peer:  # noqa: N801
+            _life = Life()
+
+            @staticmethod
+            def _set_stamp(stamp: int) -> None: ...
+
+        def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+            tensor.fill_(int(self.world_size == 3))  # joiners wait, then none
+
+    class Client:
+        latest = None
+
+    backend = ElasticBackend.__new__(ElasticBackend)
+    backend._current = Current()  # type: ignore[assignment]
+    backend._stateless = False
+    backend._s = Settings.from_env({}).merged(shm=False)
+    backend.state = None
+    backend._lock = threading.Lock()
+    backend._removed_me, backend._removed_ranks = False, []
+    backend._client = Client()  # type: ignore[assignment]
+    backend._epoch, backend._stamped = 3, True
+    backend._last_target, backend._void_step, backend._progress = 0, -1, Progress()
+
+    def enter(reason: int) -> None:  # placed as a joiner: rank 3, joined from 3
+        placed = Current()
+        placed.rank, placed.world_size = 3, 4
+        backend._current, backend._joined_from = placed, 3  # type: ignore[assignment]
+
+    def settle() -> int:  # received the group's state: its step is 20
+        backend._step = 20
+        return 2 * 20
+
+    backend._enter = enter  # type: ignore[method-assign, assignment]
+    backend._settle = settle  # type: ignore[method-assign]
+    assert backend.boundary(17) is True  # steps() takes ElasticState.step (20)
+
+
 def test_epoch_changes_without_a_step_end_in_an_error_naming_the_livelock() -> None:
     """The guard behind the fix above: a member whose group changes epoch
     FRUITLESS_CHANGES times in a row with no step completed between (each

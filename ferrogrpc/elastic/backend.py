@@ -517,9 +517,8 @@ class ElasticBackend:
                         return True
                     continue
                 if self._void_step == self._step < self._last_target / 2:
-                    # This step was void here (FSDP's) while the group agreed it
-                    # is past this boundary (in the step's sync): it re-runs from
-                    # here without it, as the others do ([Note: shards held twice]).
+                    # This step was void here (FSDP's), and the group is past this
+                    # boundary: it re-runs without it, as the others ([Note: shards held twice]).
                     return received
                 latest = self._client.latest
                 # (An answer from before this epoch formed may still count
@@ -541,7 +540,8 @@ class ElasticBackend:
                     # Every member sends its stripe of a state it holds
                     # whole: the transfer of a grow just done lands first.
                     self.state.finish_transfer()
-                self._enter(rpb.ENTER_GROW)
+                self._enter(rpb.ENTER_GROW)  # (removed meanwhile: placed as a joiner)
+                received = received or self._own_rank >= self._joined_from
                 if self._settle() > 2 * self._step:
                     return received
             except FATAL:
