@@ -47,7 +47,10 @@ def main() -> None:
             opt.step()
     except fg.FerroGrpcError as exc:
         record = {"rank": rank, "type": type(exc).__name__, "peer": exc.peer, "seq": exc.seq}
-    print("RESULT " + json.dumps(record), flush=True)
+    # One write of the whole line: stderr shares the pipe, and a flight
+    # record's log line once landed between a print's text and its newline.
+    sys.stdout.write("RESULT " + json.dumps(record) + "\n")
+    sys.stdout.flush()
     common.wait_for_release(outdir)
     backend.close()
 
