@@ -22,6 +22,7 @@ import ipaddress
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -36,6 +37,7 @@ from ..v1 import rendezvous_pb2 as rpb
 from .coordinator_client import SERVICE
 from .coordinator_client import CoordinatorRendezvous as CoordinatorRendezvous
 from .coordinator_client import fetch_status as fetch_status
+from .liveness import Watches
 from .membership import LOST_KEY, ElasticMembership
 from .rounds import GroupOver, NotAdopted, QuorumLostInRound, SettingMismatch
 
@@ -174,6 +176,8 @@ class Coordinator:
             max_ranks=self.limits.max_ranks,
         )
         self._silence_task: asyncio.Task[None] | None = None
+        # Each elastic process's Watch call (see [Note: a stream for a lifetime]).
+        self.watches = Watches(self.membership.vanished, heartbeat_timeout)
         # For the group's metrics (group_metrics.py): peers given a rank by
         # Join, rounds released, and the port they are served on (0: none).
         self.joins = 0
@@ -445,6 +449,17 @@ class Coordinator:
             logger.info("rank %d of run %s left", member.rank, self.run_id)
         return rpb.HeartbeatResponse().SerializeToString()
 
+    async def watch(
+        self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[bytes]:
+        """An elastic process's Watch call, open for as long as it lives: its
+        end tells the coordinator the process is gone (liveness.py)."""
+        request: rpb.HeartbeatRequest = await self._parse(raw, rpb.HeartbeatRequest, context)
+        if self._join_problem(request, need_address=False):
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "Watch", "bad fields")
+        async for item in self.watches.hold(request.peer_id):
+            yield item
+
     async def status(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         await self._parse(raw, rpb.StatusRequest, context)
         group = self.membership
@@ -516,6 +531,7 @@ class Coordinator:
                 ("Status", self.status),
             )
         }
+        handlers["Watch"] = grpc.unary_stream_rpc_method_handler(self.watch)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
@@ -549,6 +565,7 @@ class Coordinator:
             self.membership.check_silence()
 
     async def stop(self, grace: float = 2.0) -> None:
+        self.watches.stop()
         if self._silence_task is not None:
             self._silence_task.cancel()
             self._silence_task = None

@@ -269,9 +269,8 @@ class ElasticMembership:
         or is still hearing from the one it adopts (a later epoch than a
         straggler's); never one it formed itself (see [Note: a restarted
         coordinator]). The heartbeat must describe a place in a group."""
-        if not (0 < request.world_size <= self.max_ranks and request.rank < request.world_size):
-            return False
-        if not request.address:
+        size = request.world_size
+        if not request.address or not (0 < size <= self.max_ranks and request.rank < size):
             return False
         if self.round is None and (self.epoch == 0 or not any(self.members)):
             return True
@@ -631,11 +630,8 @@ class ElasticMembership:
         )
         logger.info("epoch %d formed: %d members", self.epoch, len(order))
         current.done.set_result(result)
-        for peer in order:
-            self._answers[peer] = self._answer(result, peer)
-        # Answers of processes no longer in the group go.
-        for peer in [p for p in self._answers if p not in self.entries]:
-            del self._answers[peer]
+        # (Answers of processes no longer in the group go.)
+        self._answers = {peer: self._answer(result, peer) for peer in order}
 
     def _answer(self, result: rpb.EnterResponse, peer: str) -> rpb.EnterResponse:
         return rounds.placed(result, self._rank_of(peer) or 0)
@@ -665,6 +661,12 @@ class ElasticMembership:
 
     # -------------------------------------------------------------- silence
 
+    def vanished(self, peer: str) -> None:
+        """A process's Watch call ended (liveness.py): unless it left, it is silent now."""
+        if peer in self.seen and peer not in self._left:
+            self.seen[peer] = self.clock() - self.heartbeat_timeout - 1.0
+            self.check_silence()
+
     def check_silence(self) -> None:
         """Drop members and joiners silent past the heartbeat timeout: a
         member of the current epoch opens a RECOVER round (or is dropped
@@ -691,10 +693,8 @@ class ElasticMembership:
             if (peer is None and adopted is not None and now - adopted > timeout)
             or (peer is not None and now - self.seen.get(peer, now) > timeout)
         ]
-        if not silent:
-            return
-        if self.round is None:
+        if silent and self.round is None:
             logger.warning("ranks %s of epoch %d went silent", silent, self.epoch)
             self._open_round(rpb.ENTER_RECOVER, silent)
-        else:
+        elif silent and self.round is not None:
             self._drop(self.round, silent, silent=True)

@@ -23,6 +23,7 @@ from ..options import TLSConfig
 from ..transport.auth import aio_channel, sync_channel, token_metadata
 from ..v1 import rendezvous_pb2 as rpb
 from .coordinator_client import LEAVING_S, SERVICE
+from .liveness import Watcher
 from .membership import LOST_KEY
 from .rendezvous import Activity, RendezvousResult
 
@@ -98,6 +99,9 @@ class MembershipClient:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._channel: grpc.aio.Channel | None = None
+        # This process's Watch call (see [Note: a stream for a lifetime]).
+        self._watcher: Watcher | None = None
+        self._watch_channel: grpc.Channel | None = None
 
     # --------------------------------------------------------------- enter
 
@@ -264,6 +268,14 @@ class MembershipClient:
                 target=self._run, name="ferrogrpc-heartbeat", daemon=True
             )
             self._thread.start()
+        if self._watcher is None:
+            channel = self._watch_channel = sync_channel(self.target, self.tls, self._options)
+            stub = channel.unary_stream(
+                f"/{SERVICE}/Watch",
+                request_serializer=rpb.HeartbeatRequest.SerializeToString,
+                response_deserializer=None,
+            )
+            self._watcher = Watcher(lambda: stub(self._request(), metadata=self._metadata))
 
     def _request(self, leaving: bool = False) -> rpb.HeartbeatRequest:
         with self._lock:
@@ -343,6 +355,13 @@ class MembershipClient:
             _beat_stub(channel)(
                 self._request(leaving=True), timeout=LEAVING_S, metadata=self._metadata
             )
+        # (After the leave: a Watch that ends then says nothing.)
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
+        if self._watch_channel is not None:
+            self._watch_channel.close()
+            self._watch_channel = None
 
 
 def _beat_stub(channel: grpc.Channel) -> Any:

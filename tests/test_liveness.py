@@ -1,0 +1,136 @@
+"""Issue 57: a SIGKILLed elastic process is dropped from its epoch at once
+through its Watch call ([Note: a stream for a lifetime] in
+control/liveness.py), not after the heartbeat timeout; a stopped process,
+a live one whose call broke, and one that left are not."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from ferrogrpc.control.coordinator import Coordinator
+from ferrogrpc.control.coordinator_client import SERVICE
+from ferrogrpc.control.liveness import GRACE_S, Watcher
+from ferrogrpc.v1 import rendezvous_pb2 as rpb
+
+from .helpers import ROOT
+
+HEARTBEAT_S = 30.0  # nothing here may wait for it
+PEERS = [c * 32 for c in "abc"]
+
+# A process that holds a Watch call for ``peer`` and says so.
+CHILD = """
+import sys, time, grpc
+from ferrogrpc.control.liveness import Watcher
+from ferrogrpc.v1 import rendezvous_pb2 as rpb
+channel = grpc.insecure_channel(sys.argv[1])
+stub = channel.unary_stream("/{service}/Watch", rpb.HeartbeatRequest.SerializeToString, None)
+Watcher(lambda: stub(rpb.HeartbeatRequest(peer_id=sys.argv[2])))
+print("watching", flush=True)
+time.sleep(600)
+"""
+
+
+def _child(target: str, peer: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD.format(service=SERVICE), target, peer],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+    )
+
+
+def _enter(c: Coordinator, peer: str) -> asyncio.Task[Any]:
+    request = rpb.EnterRequest(peer_id=peer, address=f"{peer[:4]}:1", nonce="n" * 16)
+    return asyncio.ensure_future(c.membership.enter(request))
+
+
+def _stub(target: str) -> tuple[grpc.Channel, Any]:
+    channel = grpc.insecure_channel(target)
+    stub = channel.unary_stream(f"/{SERVICE}/Watch", rpb.HeartbeatRequest.SerializeToString, None)
+    return channel, stub
+
+
+async def _until(what: Any, timeout: float) -> float:
+    began = time.monotonic()
+    while not what():
+        assert time.monotonic() - began < timeout, "timed out"
+        await asyncio.sleep(0.01)
+    return time.monotonic() - began
+
+
+@pytest.mark.timeout(60)
+async def test_a_killed_process_is_dropped_at_once_a_stopped_one_is_not() -> None:
+    coordinator = Coordinator(3, heartbeat_timeout=HEARTBEAT_S)
+    coordinator.membership.quiet = 0.0
+    port = await coordinator.start("127.0.0.1:0")
+    target = f"127.0.0.1:{port}"
+    m = coordinator.membership
+    child = _child(target, PEERS[2])
+    channel, stub = _stub(target)
+    watchers: list[Watcher] = []
+    try:
+        await asyncio.gather(*(_enter(coordinator, p) for p in PEERS))
+        assert m.epoch == 1 and m.members == PEERS
+        # a and b: live processes of this one, each with its Watch call.
+        for peer in PEERS[:2]:
+            watchers.append(Watcher(lambda p=peer: stub(rpb.HeartbeatRequest(peer_id=p))))
+        assert child.stdout is not None
+        assert await asyncio.to_thread(child.stdout.readline) == b"watching\n"
+        await _until(lambda: all(p in coordinator.watches._calls for p in PEERS), 10)
+
+        # b's call breaks (cancelled under it): it opens another within the
+        # grace, and stays.
+        with watchers[1]._lock:
+            watchers[1]._call.cancel()
+        # c stopped: its connection stays open, and so does its place.
+        child.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(GRACE_S + 1.0)
+        assert m.round is None and m.epoch == 1, m.round
+        child.send_signal(signal.SIGCONT)
+
+        # a leaves (its backend closed): its call's end then says nothing.
+        m.heartbeat(rpb.HeartbeatRequest(peer_id=PEERS[0], leaving=True))
+        watchers.pop(0).close()
+        await asyncio.sleep(GRACE_S + 0.5)
+        assert m.round is None and m.epoch == 1, m.round
+
+        # c SIGKILLed: dropped (a RECOVER round without rank 2) within the
+        # grace, far inside the heartbeat timeout.
+        child.kill()
+        took = await _until(lambda: m.round is not None, GRACE_S + 2.0)
+        assert m.round is not None and m.round.dropped == [2], m.round.dropped
+        assert took < GRACE_S + 1.0 < HEARTBEAT_S, took
+    finally:
+        for watcher in watchers:
+            watcher.close()
+        channel.close()
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+        await coordinator.stop(0)
+
+
+@pytest.mark.timeout(30)
+async def test_a_coordinator_without_the_watch_call_stops_the_asking() -> None:
+    # An older coordinator (no Watch method): the process's watcher thread
+    # ends after one UNIMPLEMENTED, and close() is immediate.
+    server = grpc.aio.server()
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel, stub = _stub(f"127.0.0.1:{port}")
+    try:
+        watcher = Watcher(lambda: stub(rpb.HeartbeatRequest(peer_id=PEERS[0])))
+        await _until(lambda: not watcher._thread.is_alive(), 10)
+        watcher.close()
+    finally:
+        channel.close()
+        await server.stop(0)
