@@ -191,6 +191,10 @@ def init_backend(
     )
     if s.metrics_port is not None and not 0 <= s.metrics_port < 65536:
         raise ConfigError(f"metrics_port={s.metrics_port} is not a port (0 to 65535)")
+    if s.flight_dir:
+        from .observe.flight import arm_sigterm
+
+        arm_sigterm()
     connect = s.timeouts.connect
     if s.elastic:
         return _start_elastic(s)

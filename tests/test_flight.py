@@ -190,6 +190,42 @@ def test_diagnose_refuses_an_empty_or_foreign_directory(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("own", [False, True], ids=["default", "own-handler"])
+def test_a_rank_stopped_by_sigterm_writes_its_record(tmp_path: Path, own: bool) -> None:
+    # A launcher stops the other ranks once one failed: a rank stalled in
+    # the user's code, SIGTERMed before it heard of the failure, still
+    # leaves the record diagnose needs, and dies of the signal as before. A
+    # program's own SIGTERM handler is left alone.
+    port = free_port()
+    env = {"FERROGRPC_FLIGHT_DIR": str(tmp_path), "FERROGRPC_SHM": "0"}
+    args = ["own"] if own else []
+    procs = [
+        spawn_rank("flight_term.py", *args, env=rank_env(rank, 2, port, **env)) for rank in (0, 1)
+    ]
+    try:
+        wait_until(lambda: all("ready" in p.stdout for p in procs), 60, "both ranks ready")
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        codes = [p.wait(30) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    records = sorted(tmp_path.glob("flight-rank*.json"))
+    if own:
+        assert codes == [3, 3] and records == [], (codes, records)
+        return
+    assert codes == [-signal.SIGTERM] * 2, codes
+    assert [r.name[:16] for r in records] == ["flight-rank00000", "flight-rank00001"]
+    for record in records:
+        d = json.loads(record.read_text())
+        assert d["cause"] is None
+        assert [(e["op"], e["state"]) for e in d["entries"]][-2:] == [
+            ("all_reduce", flight.DONE),
+            ("all_reduce", flight.DONE),
+        ], d["entries"]
+
+
 def test_the_ring_is_bounded_and_a_healthy_run_writes_nothing(tmp_path: Path) -> None:
     async def run() -> list[flight.Entry]:
         settings = Settings(flight_dir=str(tmp_path))

@@ -22,6 +22,14 @@ A process whose rank breaks more than once (an elastic member, re-formed)
 writes one file per break: the ``group`` field (a digest of the ranks'
 addresses, the same on every rank of one group) says which files belong
 together.
+
+A rank stopped by SIGTERM writes its ring too, with no cause, unless it
+has already: a launcher (``ferrogrpc launch``, torchrun) stops the other
+ranks as soon as one fails, and the stalled rank that the others waited
+for, stopped before it heard of their failure, is the record diagnose
+needs most. This holds where the process had no SIGTERM handler of its own
+when ``init_backend`` was first called, on the main thread; the signal
+then ends the process as before.
 """
 
 from __future__ import annotations
@@ -32,8 +40,11 @@ import itertools
 import json
 import logging
 import os
+import signal
 import socket
+import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +152,9 @@ class FlightRecorder:
         self.directory = directory
         self._ring: collections.deque[Entry] = collections.deque(maxlen=capacity)
         self.dumped: Path | None = None
+        if directory:
+            global _latest
+            _latest = weakref.ref(self)
 
     def add(self, entry: Entry) -> None:
         self._ring.append(entry)
@@ -276,3 +290,34 @@ def _entry(e: schema.Fields, last: int) -> dict[str, Any]:
         "error_kind": e.maybe_string("error_kind", 256),
         "culprit": e.maybe_integer("culprit", 0, last),
     }
+
+
+# The latest recorder with a directory (an elastic member's current epoch's),
+# and the process that armed the SIGTERM handler (a forked child inherits
+# the handler, not the rank).
+_latest: weakref.ref[FlightRecorder] | None = None
+_armed_pid = 0
+
+
+def arm_sigterm() -> None:
+    """On SIGTERM, write the latest recorder's ring first (see [Note: flight
+    recorder]): init_backend calls this, on the caller's thread, when a
+    flight directory is set. Only the main thread can, and only where the
+    program has no SIGTERM handler of its own."""
+    global _armed_pid
+    if _armed_pid == os.getpid() or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return  # the program's own handler: left alone
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    _armed_pid = os.getpid()
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM: write the latest ring (if not written already), then die of
+    the signal, as without this handler."""
+    recorder = _latest() if _latest is not None else None
+    if recorder is not None and recorder.dumped is None and os.getpid() == _armed_pid:
+        recorder.dump(None)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
