@@ -30,7 +30,7 @@ RUNS: dict[str, tuple[list[str], str]] = {
             *("--params", "200k", "--nproc", "3", "--repeats", "1", "--steps", "40"),
             *("--warmup", "2", "--pace", "0.25", "--shm", "--timeout", "60", "--heartbeat", "2"),
         ],
-        "joiner rate / bare stream",
+        "joiner's shards arriving / bare stream",
     ),
     "fsdp_redundancy_ab.py": (
         [

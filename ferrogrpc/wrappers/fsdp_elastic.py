@@ -265,16 +265,19 @@ class ElasticShards:
             gone = sorted(set(range(old.world)) - set(holders))
             raise self._lost(backend, gone, lost.shards, str(lost)) from None
         planes = meta["planes"]
-        own, copy, received = self._move(backend, pieces, planes, new, me)
+        own, copy, received, arrival = self._move(backend, pieces, planes, new, me)
         moved = sum(p.length for p in pieces if p.src != p.dst)
 
         def swap() -> None:
             self._take(own, copy, planes, meta["scalars"], new, me)
             seconds = time.monotonic() - began
+            # ("arrival": the first received message's end to the last's,
+            # as a stream's rate is read; "seconds": the whole re-shard.)
             self.last_move = {
                 "seconds": seconds,
                 "elements": float(moved),
                 "bytes": float(received),
+                "arrival": arrival,
             }
             # The trace's span and the metrics' re-shard count and seconds
             # (observe/metrics.py), on the new epoch's observer.
@@ -378,9 +381,10 @@ class ElasticShards:
         planes: list[list[list[str]]],
         new: Layout,
         me: int,
-    ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], int]:
-        """Send and receive the pieces; the new layout's planes (own, copy)
-        and the bytes this rank received."""
+    ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], int, float]:
+        """Send and receive the pieces; the new layout's planes (own, copy),
+        the bytes this rank received, and the seconds from the first
+        received message's end to the last's."""
         dtypes = [
             [e.shard.dtype, *(_DTYPES[d] for _, d in planes[i])]
             for i, e in enumerate(self._entries)
@@ -409,6 +413,7 @@ class ElasticShards:
                 else:
                     data = torch.cat([views[g.tensor][g.lo : g.hi] for g in message])
                 works.append(backend.send(data, peer, MOVE_TAG, async_op=True))
+        sends = len(works)
         out = {role: self._fresh(role, pieces, dtypes, new, me) for role in (OWN, COPY)}
         incoming: dict[int, list[torch.Tensor]] = {}
         for p in pieces:
@@ -437,12 +442,15 @@ class ElasticShards:
                     buf = torch.empty(sum(g.hi - g.lo for g in message), dtype=torch.uint8)
                     work = backend.recv(buf, peer, MOVE_TAG, async_op=True)
                     staged.append((work, message, buf, views))
+        ends = [w.when_done() for w in [*works[sends:], *(s[0] for s in staged)]]
         for work, message, buf, views in staged:
             work.wait()
             unpack(buf, message, views)
         for work in works:
             work.wait()
-        return out[OWN], out[COPY], received
+        stamps = [e.result() for e in ends]
+        arrival = max(stamps) - min(stamps) if stamps else 0.0
+        return out[OWN], out[COPY], received, arrival
 
     def _fresh(
         self, role: int, pieces: list[Piece], dtypes: list[list[torch.dtype]], new: Layout, me: int
