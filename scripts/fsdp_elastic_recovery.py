@@ -11,12 +11,14 @@ inside the last unit's forward, or halfway through backward (the repeats
 take them in turn). Printed per repeat:
 
 - the step time before the kill (the slowest rank's median);
-- kill -> the survivors' next completed step (the bar: <= step + 1 s);
+- kill (the moment it dies) -> the survivors' next completed step (the bar:
+  <= step + 1 s);
 - the joiner, a cold process started once the survivors made two steps:
   the bytes of shards it received in its re-shard, the seconds the whole
   re-shard took (the new epoch's first collectives, the plan, the
-  allocation, the transfer), and the rate at which they arrived, read as
-  the bare stream's is (from the first message's end to the last's),
+  allocation, the transfer), and the rate at which they arrived once the
+  exchange began (from the joiner's start of the exchange, after the plan:
+  allocating its planes, posting its receives, to the last message's end),
   beside a bare gRPC stream's on this machine (raw bytes from one process
   to another with grpc.aio, 1 MiB messages, the same byte count; the bar:
   >= 70% of it).
@@ -78,7 +80,12 @@ def worker() -> None:
                 at = ""
             if at:
                 print(json.dumps({"event": "kill", "at": at, "t": time.time()}), flush=True)
-                die = lambda *_: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+
+                def die(*_: Any) -> None:
+                    # (The moment of death, which the recovery is timed from.)
+                    print(json.dumps({"event": "died", "t": time.time()}), flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+
                 if at == "before":
                     die()
                 elif at == "forward":
@@ -249,7 +256,7 @@ def one(at: str, args: argparse.Namespace) -> dict[str, float]:
             )
             (Path(tmp) / "kill").write_text(at)
             kill = wait_for(
-                lambda: [d for d in lines(procs, logs) if d.get("event") == "kill"], "no kill"
+                lambda: [d for d in lines(procs, logs) if d.get("event") == "died"], "no kill"
             )[0]
             killed_at = max(
                 d["step"] for d in lines(procs, logs) if d["proc"] == kill["proc"] and "step" in d

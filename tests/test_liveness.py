@@ -134,3 +134,61 @@ async def test_a_coordinator_without_the_watch_call_stops_the_asking() -> None:
     finally:
         channel.close()
         await server.stop(0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("first", ["death", "round"])
+async def test_a_death_during_a_recover_round_waits_no_grace(first: str) -> None:
+    # A member's collective failed (its survivors enter RECOVER without
+    # naming anyone: they cannot tell a dead peer from one that moved on),
+    # and a member's Watch call ended: that member is the likely cause, and
+    # is dropped at once, not after the grace; whether the call ended
+    # before the round opened ("death", hurry) or after ("round", urgent).
+    coordinator = Coordinator(3, heartbeat_timeout=HEARTBEAT_S)
+    coordinator.membership.quiet = 0.0
+    port = await coordinator.start("127.0.0.1:0")
+    target = f"127.0.0.1:{port}"
+    m = coordinator.membership
+    child = _child(target, PEERS[2])
+    channel, stub = _stub(target)
+    watchers: list[Watcher] = []
+    recovering: list[asyncio.Task[Any]] = []
+
+    def recover(peer: str) -> None:
+        request = rpb.EnterRequest(
+            peer_id=peer, address=f"{peer[:4]}:2", nonce="m" * 16, epoch=1, reason=rpb.ENTER_RECOVER
+        )
+        recovering.append(asyncio.ensure_future(m.enter(request)))
+
+    try:
+        await asyncio.gather(*(_enter(coordinator, p) for p in PEERS))
+        for peer in PEERS[:2]:
+            watchers.append(Watcher(lambda p=peer: stub(rpb.HeartbeatRequest(peer_id=p))))
+        assert child.stdout is not None
+        assert await asyncio.to_thread(child.stdout.readline) == b"watching\n"
+        await _until(lambda: all(p in coordinator.watches._calls for p in PEERS), 10)
+        if first == "death":
+            child.kill()
+            await _until(lambda: PEERS[2] in coordinator.watches._pending, 5)
+            began = time.monotonic()
+            recover(PEERS[0])
+        else:
+            recover(PEERS[0])
+            await _until(lambda: m.round is not None, 5)
+            assert m.round is not None and m.round.dropped == [], m.round.dropped
+            began = time.monotonic()
+            child.kill()
+        recover(PEERS[1])
+        formed = await asyncio.wait_for(asyncio.gather(*recovering), 10)
+        took = time.monotonic() - began
+        assert m.epoch == 2 and m.members == PEERS[:2], m.members
+        assert [r.world_size for r in formed] == [2, 2]
+        assert took < GRACE_S / 2, took
+    finally:
+        for watcher in watchers:
+            watcher.close()
+        channel.close()
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+        await coordinator.stop(0)

@@ -177,7 +177,13 @@ class Coordinator:
         )
         self._silence_task: asyncio.Task[None] | None = None
         # Each elastic process's Watch call (see [Note: a stream for a lifetime]).
-        self.watches = Watches(self.membership.vanished, heartbeat_timeout)
+        m = self.membership
+        self.watches = Watches(  # no grace while a RECOVER round forms (liveness.py)
+            m.vanished,
+            heartbeat_timeout,
+            urgent=lambda: m.round is not None and m.round.reason == rpb.ENTER_RECOVER,
+        )
+        self.membership.on_recover = self.watches.hurry
         # For the group's metrics (group_metrics.py): peers given a rank by
         # Join, rounds released, and the port they are served on (0: none).
         self.joins = 0

@@ -14,6 +14,11 @@ call to the coordinator open for its whole life, carrying its peer id.
   reconnects within it) and then takes the process for silent at once, as
   if its heartbeat timeout had passed: the next check drops it from its
   epoch (RECOVER) or from the forming round.
+- While a RECOVER round forms, the grace is not waited out: a member's
+  collective failed, and a call that ended is its likely cause (the
+  survivors cannot name it: see below). A call ending then is taken for
+  gone at once, and so are the calls already in their grace when the round
+  opens (``hurry``).
 - A process that is stopped (SIGSTOP), slowed or cut off by the network
   keeps its connection open: only the heartbeat timeout finds it, as
   before.
@@ -50,11 +55,19 @@ class Watches:
     ``gone(peer)`` is called (on the coordinator's loop) once a process's
     call ended and no other opened within the grace."""
 
-    def __init__(self, gone: Callable[[str], None], heartbeat_timeout: float) -> None:
+    def __init__(
+        self,
+        gone: Callable[[str], None],
+        heartbeat_timeout: float,
+        urgent: Callable[[], bool] = lambda: False,
+    ) -> None:
         self._gone = gone
+        self._urgent = urgent
         self.grace = min(GRACE_S, heartbeat_timeout / 4)
         # The latest call's number, by peer id (a newer call replaces it).
         self._calls: dict[str, int] = {}
+        # The calls that ended and wait out their grace: (timer, number).
+        self._pending: dict[str, tuple[asyncio.Handle, int]] = {}
         self._next = 0
         self._stopping = False
 
@@ -62,14 +75,32 @@ class Watches:
         """The Watch call of ``peer``: sends nothing, ends with the call."""
         self._next += 1
         number = self._calls[peer] = self._next
+        ended = self._pending.pop(peer, None)
+        if ended is not None:
+            ended[0].cancel()  # it opened another call within the grace: alive
         try:
             await asyncio.Event().wait()
         finally:
             if not self._stopping and self._calls.get(peer) == number:
-                asyncio.get_running_loop().call_later(self.grace, self._ended, peer, number)
+                loop = asyncio.get_running_loop()
+                # While a RECOVER round forms (a collective failed), a call
+                # that ends is that failure's likely cause: no grace.
+                wait = 0.0 if self._urgent() else self.grace
+                self._pending[peer] = (loop.call_later(wait, self._ended, peer, number), number)
         yield b""  # (never reached: makes this an async generator)
 
+    def hurry(self) -> None:
+        """A RECOVER round opened (a member's collective failed): the calls
+        that ended and wait out their grace end it now, as the failure's
+        likely cause. A live process whose call broke at that moment is
+        dropped and enters again; a stopped one, whose call holds, is not."""
+        loop = asyncio.get_running_loop()
+        for peer, (timer, number) in list(self._pending.items()):
+            timer.cancel()
+            self._pending[peer] = (loop.call_soon(self._ended, peer, number), number)
+
     def _ended(self, peer: str, number: int) -> None:
+        self._pending.pop(peer, None)
         if self._stopping or self._calls.get(peer) != number:
             return  # it opened another call meanwhile: alive
         del self._calls[peer]

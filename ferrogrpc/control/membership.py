@@ -153,6 +153,8 @@ class ElasticMembership:
         self.refused = 0
         # Members of the current epoch that closed their backend.
         self._left: set[str] = set()
+        # Called as a RECOVER round opens (the coordinator's Watches.hurry).
+        self.on_recover: Callable[[], None] = lambda: None
         # Metrics (group_metrics.py): epochs formed, members joined, dropped.
         self.formed = 0
         self.joined_total = 0
@@ -193,10 +195,7 @@ class ElasticMembership:
     # ------------------------------------------------------------- queries
 
     def _rank_of(self, peer_id: str) -> int | None:
-        try:
-            return self.members.index(peer_id)
-        except ValueError:
-            return None
+        return self.members.index(peer_id) if peer_id in self.members else None
 
     def is_member(self, peer_id: str) -> bool:
         return peer_id in self.members or (self.round is not None and peer_id in self.round.order)
@@ -531,6 +530,7 @@ class ElasticMembership:
         self._admission = asyncio.Event()
         if reason == rpb.ENTER_RECOVER:
             self.syncs.close()
+            self.on_recover()
         self._check_quorum(current)
         return current
 

@@ -271,8 +271,8 @@ class ElasticShards:
         def swap() -> None:
             self._take(own, copy, planes, meta["scalars"], new, me)
             seconds = time.monotonic() - began
-            # ("arrival": the first received message's end to the last's,
-            # as a stream's rate is read; "seconds": the whole re-shard.)
+            # ("arrival": from the exchange's start (after the plan) to the
+            # last received message's end; "seconds": the whole re-shard.)
             self.last_move = {
                 "seconds": seconds,
                 "elements": float(moved),
@@ -383,8 +383,9 @@ class ElasticShards:
         me: int,
     ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], int, float]:
         """Send and receive the pieces; the new layout's planes (own, copy),
-        the bytes this rank received, and the seconds from the first
-        received message's end to the last's."""
+        the bytes this rank received, and the seconds from the exchange's
+        start to the last received message's end."""
+        began = time.perf_counter()
         dtypes = [
             [e.shard.dtype, *(_DTYPES[d] for _, d in planes[i])]
             for i, e in enumerate(self._entries)
@@ -449,7 +450,7 @@ class ElasticShards:
         for work in works:
             work.wait()
         stamps = [e.result() for e in ends]
-        arrival = max(stamps) - min(stamps) if stamps else 0.0
+        arrival = max(stamps) - began if stamps else 0.0
         return out[OWN], out[COPY], received, arrival
 
     def _fresh(
