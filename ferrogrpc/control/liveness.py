@@ -100,7 +100,8 @@ class Watches:
             self._pending[peer] = (loop.call_soon(self._ended, peer, number), number)
 
     def _ended(self, peer: str, number: int) -> None:
-        self._pending.pop(peer, None)
+        if self._pending.get(peer, (None, number))[1] == number:
+            self._pending.pop(peer, None)
         if self._stopping or self._calls.get(peer) != number:
             return  # it opened another call meanwhile: alive
         del self._calls[peer]

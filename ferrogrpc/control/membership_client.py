@@ -137,6 +137,8 @@ class MembershipClient:
             max_world_size=self.max_world_size,
         )
         deadline = time.monotonic() + self.timeout
+        logger.info("entering the epoch after %d (%s)", epoch, rpb.EnterReason.Name(reason))
+        unreachable = False
         while True:
             try:
                 response: rpb.EnterResponse = await call(
@@ -165,6 +167,11 @@ class MembershipClient:
                         f"the coordinator at {self.target} refused this process: {exc.details()}"
                     ) from exc
                 if code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline:
+                    if not unreachable:
+                        unreachable = True
+                        logger.info(
+                            "the coordinator answers UNAVAILABLE (%s): waiting", exc.details()
+                        )
                     await asyncio.sleep(0.5)  # the coordinator is away: wait for it
                     continue
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and self._spare():
