@@ -184,8 +184,12 @@ class ElasticShards:
             backend.recv(into, owner, GRAD_TAG)
             offset = 0
             for i, size in zip(trained, sizes, strict=True):
+                # A view of the one buffer where aligned (no second copy at
+                # the peak); it lives until the copy's step.
                 e = self._entries[i]
-                received[i] = into[offset : offset + size].view(e.shard.dtype).clone()
+                piece = into[offset : offset + size]
+                aligned = offset % e.shard.element_size() == 0
+                received[i] = (piece if aligned else piece.clone()).view(e.shard.dtype)
                 offset += size
         for work in works:
             work.wait()
