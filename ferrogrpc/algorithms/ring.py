@@ -139,6 +139,17 @@ class LaneRunner:
         try:
             await self.watch.guard(self._send(), self._receive())
         except BaseException as exc:
+            found = self._cause(exc)
+            if (
+                isinstance(found, ProtocolError)
+                and found.evidence is Evidence.FOUND
+                and found.seq == self.job.seq
+            ):
+                # Rule 2 at once: this rank's own finding in this job's data
+                # breaks it before the abort below can travel round and
+                # come back relayed (which would then be the cause on
+                # record, and the finding only what it raised).
+                self.ctx.failure.declare(found, broadcast=True)
             await self._abort_downstream(exc)
             raise
 
