@@ -94,14 +94,17 @@ class Watches:
         that ended and wait out their grace end it now, as the failure's
         likely cause. A live process whose call broke at that moment is
         dropped and enters again; a stopped one, whose call holds, is not."""
+        if not self._pending:
+            return
         loop = asyncio.get_running_loop()
         for peer, (timer, number) in list(self._pending.items()):
             timer.cancel()
             self._pending[peer] = (loop.call_soon(self._ended, peer, number), number)
 
     def _ended(self, peer: str, number: int) -> None:
-        if self._pending.get(peer, (None, number))[1] == number:
-            self._pending.pop(peer, None)
+        pending = self._pending.get(peer)
+        if pending is not None and pending[1] == number:
+            del self._pending[peer]
         if self._stopping or self._calls.get(peer) != number:
             return  # it opened another call meanwhile: alive
         del self._calls[peer]
