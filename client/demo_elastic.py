@@ -103,6 +103,44 @@ class Group:
                 p.wait()
 
 
+def contributors(
+    by_step: dict[int, list[dict[str, Any]]], victim: int
+) -> dict[int, list[tuple[int, int]]] | str:
+    """Each step's slices that reached its gradient, as (rank, world_size)
+    when the step began; or why the records cannot say.
+
+    A member's record is written after its step, so a member killed once
+    its step's sync was committed (through the coordinator, by every
+    member) contributed to the step but wrote no record of it. That shows:
+    the group did not change during the step (the records' ``epoch`` is
+    the one the step ``began`` in) and yet a slice of that world is
+    missing. Only the killed process (``victim``) may be missing, and only
+    at the step after its last record; a step whose group changed is the
+    survivors' (DDP's sync redone with them, FSDP's step run again)."""
+    last = max(
+        (d["step"] for ds in by_step.values() for d in ds if d["process"] == victim), default=-1
+    )
+    its = [d for d in by_step.get(last, []) if d["process"] == victim]
+    out: dict[int, list[tuple[int, int]]] = {}
+    for step, ds in sorted(by_step.items()):
+        parts = [(int(d["slice"][0]), int(d["slice"][1])) for d in ds]
+        worlds = {w for _, w in parts}
+        unchanged = all(d["epoch"] == d["began"] for d in ds)
+        if unchanged and len(worlds) == 1:
+            world = worlds.pop()
+            missing = sorted(set(range(world)) - {r for r, _ in parts})
+            if missing:
+                # A rank keeps its number within an epoch: the victim's
+                # rank is the one of its last record (same epoch).
+                if step != last + 1 or not its or its[0]["epoch"] != ds[0]["began"]:
+                    return f"step {step}: no record of ranks {missing} of {world}"
+                if missing != [int(its[0]["slice"][0])]:
+                    return f"step {step}: no record of ranks {missing} of {world}"
+                parts += [(r, world) for r in missing]
+        out[step] = sorted(parts)
+    return out
+
+
 def reference(args: argparse.Namespace, slices: dict[int, list[tuple[int, int]]]) -> list[float]:
     """Single-process training: each step's gradient is the mean over the
     slices that contributed (rank, world size at the step's start); returns
@@ -247,9 +285,12 @@ def check(
             by_step.setdefault(d["step"], []).append(d)
     kept = sorted(by_step) == list(range(args.steps))
     same = all(len({(d["loss"], d["checksum"]) for d in by_step.get(s, [])}) == 1 for s in by_step)
-    slices = {s: [tuple(d["slice"]) for d in ds] for s, ds in by_step.items()}
     if not kept:
         print(f"ferrogrpc demo --elastic: FAILED: steps kept: {sorted(by_step)}")
+        return 1
+    slices = contributors(by_step, args.nproc - 1)
+    if isinstance(slices, str):
+        print(f"ferrogrpc demo --elastic: FAILED: {slices}")
         return 1
     ref = reference(args, slices)
     members = [by_step[s][0]["loss"] for s in range(args.steps)]
@@ -329,23 +370,23 @@ def check_fsdp(
     if sorted(by_step) != list(range(args.steps)):
         print(f"{_name(args)}: FAILED: steps kept: {sorted(by_step)}")
         return 1
-    # Every slice of the batch once: the members' (rank, world_size) are
-    # exactly the world's, with no rank twice.
-    whole = all(
-        sorted(tuple(d["slice"]) for d in ds) == [(r, len(ds)) for r in range(len(ds))]
-        for ds in by_step.values()
-    )
+    slices = contributors(by_step, args.nproc - 1)
+    if isinstance(slices, str):
+        print(f"{_name(args)}: FAILED: {slices}")
+        return 1
+    # Every slice of the batch once: the (rank, world_size) that reached
+    # the step are exactly the world's, with no rank twice.
+    whole = all(parts == [(r, len(parts)) for r in range(len(parts))] for parts in slices.values())
     if not whole:
         bad = next(
             s
-            for s, ds in sorted(by_step.items())
-            if sorted(tuple(d["slice"]) for d in ds) != [(r, len(ds)) for r in range(len(ds))]
+            for s, parts in sorted(slices.items())
+            if parts != [(r, len(parts)) for r in range(len(parts))]
         )
         print(f"{_name(args)}: FAILED: step {bad}'s slices are not the batch's, once each:")
         for d in by_step[bad]:
             print(f"  {d}")
         return 1
-    slices = {s: [tuple(d["slice"]) for d in ds] for s, ds in by_step.items()}
     ref = reference_fsdp(args, slices)
 
     def key(s: int, d: dict[str, Any]) -> tuple[int, int, int]:
@@ -360,8 +401,10 @@ def check_fsdp(
     finals = [d["checksum"] for d in lines if d.get("event") == "done"]
     final_same = bool(finals) and len(set(finals)) == 1
     final_diff = abs(finals[0] - ref.final) if finals else float("inf")
-    worlds = [len(by_step[s]) for s in range(args.steps)]
-    members = [sum(d["slice_loss"] for d in by_step[s]) / worlds[s] for s in range(args.steps)]
+    worlds = [len(slices[s]) for s in range(args.steps)]
+    members = [
+        sum(d["slice_loss"] for d in by_step[s]) / len(by_step[s]) for s in range(args.steps)
+    ]
     rows = [
         ("steps kept", f"{args.steps} of {args.steps}"),
         ("world size (start, after kill, end)", f"{worlds[0]}, {worlds[died]}, {worlds[-1]}"),

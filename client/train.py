@@ -152,6 +152,7 @@ def train_elastic(
     for step in state.steps(steps):
         x, y = global_batch(step, batch, seed)
         rank, world = backend.rank, backend.world_size
+        began = backend.membership.epoch
         opt.zero_grad()
         # Every world_size-th sample: any world size divides the batch.
         loss = nn.functional.mse_loss(ddp(x[rank::world]), y[rank::world])
@@ -163,7 +164,7 @@ def train_elastic(
         with torch.no_grad():
             losses.append(float(nn.functional.mse_loss(model(x), y).item()))
         if callable(on_step):
-            on_step(step, losses[-1], ddp, (rank, world))
+            on_step(step, losses[-1], ddp, (rank, world), began)
         if step_sleep:
             time.sleep(step_sleep)
     return ddp, losses
@@ -195,6 +196,7 @@ def train_elastic_fsdp(
     for step in state.steps(steps):
         x, y = global_batch(step, batch, seed)
         rank, world = backend.rank, backend.world_size
+        began = backend.membership.epoch
         opt.zero_grad()
         loss = nn.functional.mse_loss(fsdp(x[rank::world]), y[rank::world])
         loss.backward()  # type: ignore[no-untyped-call]
@@ -204,7 +206,7 @@ def train_elastic_fsdp(
         opt.step()
         losses.append(float(loss.item()))
         if callable(on_step):
-            on_step(step, losses[-1], fsdp, (rank, world))
+            on_step(step, losses[-1], fsdp, (rank, world), began)
         if step_sleep:
             time.sleep(step_sleep)
     return fsdp, losses
@@ -268,12 +270,15 @@ def main_elastic(args: argparse.Namespace, start: float) -> int:
     with fg.init_backend(elastic=True) as backend:
         emit({"event": "joined", "address": backend.address, "member": not backend.joining})
 
-        def log(step: int, loss: float, wrapper: nn.Module, part: tuple[int, int]) -> None:
+        def log(
+            step: int, loss: float, wrapper: nn.Module, part: tuple[int, int], began: int
+        ) -> None:
             record: dict[str, object] = {
                 "rank": backend.rank,
                 "world_size": backend.world_size,
                 "epoch": backend.membership.epoch,
                 "slice": part,  # (rank, world_size) when the step began
+                "began": began,  # the epoch then: "epoch" differs if the group changed
                 "step": step,
             }
             if fsdp:
