@@ -68,7 +68,13 @@ class Node:
     def lines(self) -> list[dict[str, Any]]:
         out = []
         for (attempt, local), path in sorted(self.files().items()):
-            text = path.read_text(errors="replace")
+            try:
+                text = path.read_text(errors="replace")
+            except FileNotFoundError:
+                # A node restarted with its restart count still 0 removes its
+                # attempt_0 and writes it again (the anchor test): between
+                # the listing and the read, the file may be gone.
+                continue
             for line in text[: text.rfind("\n") + 1].splitlines():  # complete lines only
                 if line.startswith("{"):
                     d = json.loads(line)
