@@ -6,8 +6,9 @@ then starts a replacement, which joins with live state. Afterwards it checks
 that no step was lost, that every member held the same loss and parameters
 at every step, and that the result equals single-process training on the
 samples that contributed to each step (the kill step: the survivors'
-slices only). It writes a PNG of the loss with the death and the join
-marked.
+slices only, unless the rank died after that step's sync was committed,
+when its slice counts though it wrote no record: see :func:`contributors`).
+It writes a PNG of the loss with the death and the join marked.
 
 With ``--fsdp`` the ranks train with FSDP, every Linear a unit
 (docs/elastic.md, "Elastic FSDP"): the lost rank's shards are re-laid over
