@@ -21,6 +21,9 @@ class SyncLedger:
         # How many syncs each member had committed, as its heartbeats say
         # (a restarted coordinator's evidence of the verdicts before it).
         self._committed: dict[str, int] = {}
+        # Per epoch, the most syncs any member said were committed: kept
+        # past close(), since a verdict once given stands (:meth:`decided`).
+        self._known: dict[int, int] = {}
 
     async def finished(self, peer: str, n: int, members: Sequence[str | None]) -> bool:
         """``peer`` finished sync ``n``: its verdict, once it is known."""
@@ -35,10 +38,15 @@ class SyncLedger:
             self._grant(n)
         return await asyncio.shield(verdict)
 
-    def note_committed(self, peer: str, committed: int) -> None:
-        """A member's heartbeat: it had ``committed`` syncs of the epoch
-        committed. Those were decided (here, or by the coordinator before a
-        restart): every member asking for them gets True."""
+    def note_committed(self, peer: str, committed: int, epoch: int) -> None:
+        """A member's heartbeat: it had ``committed`` syncs of ``epoch`` (the
+        current one) committed. Those were decided (here, or by the
+        coordinator before a restart): every member asking for them gets
+        True."""
+        if committed > self._known.get(epoch, 0):
+            self._known[epoch] = committed
+            for old in [e for e in self._known if e < epoch - 1]:
+                del self._known[old]
         if committed <= self._committed.get(peer, 0):
             return
         self._committed[peer] = committed
@@ -53,6 +61,14 @@ class SyncLedger:
         for old in [k for k in self._finished if k < n]:
             del self._finished[old]
             self._verdicts.pop(old, None)
+
+    def decided(self, epoch: int, n: int) -> bool:
+        """The verdict on sync ``n`` of ``epoch`` for a member that asks once
+        no new one can be given (the epoch is being replaced, or was): True
+        if a member's heartbeat said it was committed, else False. A member
+        the old coordinator granted a sync to has written it; refusing it to
+        the others would leave them a step behind it."""
+        return n < self._known.get(epoch, 0)
 
     def close(self) -> None:
         """The epoch is replaced (or the group over): every sync still open

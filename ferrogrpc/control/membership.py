@@ -49,8 +49,8 @@ how many of the epoch's syncs they had committed:
 - Commits are decided only here, one decision for everyone: a member
   that cannot reach a coordinator waits for one (membership_client.py).
   A sync that a member reports committed (by the coordinator before the
-  restart) is granted to every member that asks again; a sync of an
-  adopted epoch is otherwise committed as usual, once every member
+  restart) is granted to every member that asks, even while a RECOVER
+  replaces the epoch, or after; any other is committed once every member
   finished it, and refused if the epoch is replaced.
 - The heartbeat timeout holds for adopted members from the adoption on: a
   slot nobody reported by then is a member that is gone.
@@ -226,7 +226,7 @@ class ElasticMembership:
             if request.min_world_size:
                 self.members_min = max(self.members_min, int(request.min_world_size))
             self.members_max = self.members_max or int(request.max_world_size)
-            self.syncs.note_committed(peer, int(request.committed))
+            self.syncs.note_committed(peer, int(request.committed), self.epoch)
         removed: list[int] = []
         if self.round is not None and request.epoch + 1 == self.round.epoch:
             removed = list(self.round.dropped)
@@ -639,24 +639,24 @@ class ElasticMembership:
     # -------------------------------------------------------------- commits
 
     async def commit(self, request: rpb.CommitRequest) -> bool:
-        """The n-th gradient sync of ``request.epoch`` finished on this
-        member: True once it has on every member (or a member's heartbeat
-        says it was committed before this coordinator restarted), False if
-        that epoch is (being) replaced because members were lost, or the
-        caller is no member of it. One decision for every member: nothing
-        is granted on a guess (see [Note: a restarted coordinator]).
-        Raises NotAdopted for an epoch this coordinator does not know."""
+        """Sync n of ``request.epoch`` finished on this member: True once on
+        every member, or a member's heartbeat says it was committed (a verdict
+        that stands once the epoch is replaced); else False if the epoch is
+        (being) replaced. Never on a guess ([Note: a restarted coordinator]).
+        NotAdopted: an epoch this coordinator does not know."""
         peer, n = request.peer_id, int(request.n)
         epoch = int(request.epoch)
         if epoch > self.highest:
             await self._await_epoch(epoch)
         if epoch == self.epoch and peer not in self.members:
             await self._settle_adoption(())  # its heartbeat may place it yet
-        if epoch != self.epoch or peer not in self.members:
+        if epoch != self.epoch:  # replaced: what was decided stands
+            return self.syncs.decided(epoch, n)
+        if peer not in self.members:
             return False
         self.seen[peer] = self.clock()
         if self.round is not None and self.round.reason == rpb.ENTER_RECOVER:
-            return False
+            return self.syncs.decided(epoch, n)
         return await self.syncs.finished(peer, n, self.members)
 
     # -------------------------------------------------------------- silence

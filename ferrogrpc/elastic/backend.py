@@ -420,14 +420,12 @@ class ElasticBackend:
         current.peer._set_stamp(make_stamp(self._epoch, self._step) if on else 0)
 
     def _behind(self) -> bool:
-        """After a new epoch agreed on where the group is: whether the group
-        is past this step's sync, committed on the others and not written
-        here. Then this process joins again, to receive the state."""
+        """Whether the group (as a new epoch agreed) is past this step's sync,
+        committed on the others, not here: then this joins again, for the state."""
         return self._last_target > 2 * self._step + 1
 
     def _rejoin(self) -> None:
-        """Leave the epoch (the others' collectives with this process fail)
-        and join again, receiving the state at their next boundary."""
+        """Leave the epoch (the others' collectives with it fail); join again for the state."""
         logger.warning(
             "rank %d is behind the group (at position %d, the group at %d): it joins again "
             "to receive the group's state",
@@ -601,7 +599,9 @@ class ElasticBackend:
 
     def _commit(self) -> bool:
         """Commit this epoch's next sync through the coordinator (a member
-        lost after its last part was sent is found here)."""
+        lost after its last part was sent is found here). This epoch's peer
+        broken: given up, unless the coordinator removed ranks of it, when its
+        verdict comes at once and may be True (granted before a restart)."""
         n = self._syncs
         self._syncs += 1
         epoch = self._epoch
@@ -615,7 +615,7 @@ class ElasticBackend:
                 return granted
             except concurrent.futures.TimeoutError:
                 broken = life.broken
-                if broken is not None:
+                if broken is not None and not (self._removed_me or self._removed_ranks):
                     asking.cancel()
                     raise broken from None
 
