@@ -213,11 +213,15 @@ def test_elastic_under_another_torchrun_rendezvous_names_the_ferrogrpc_one(
 
 def test_torchrun_passes_the_coordinator_to_its_workers(served: Served, tmp_path: Path) -> None:
     # The agent's environment reaches each worker, beside torchrun's own.
+    # One write a line: both workers share torchrun's stdout, and print()
+    # unbuffered writes the text and its newline apart, so two lines could
+    # interleave into one (a fresh-clone CI run failed so).
     script = tmp_path / "env.py"
     script.write_text(
-        "import json, os\n"
-        "print(json.dumps({k: v for k, v in os.environ.items() if k.startswith("
-        "('FERROGRPC_', 'LOCAL_', 'TORCHELASTIC_RUN'))}), flush=True)\n"
+        "import json, os, sys\n"
+        "sys.stdout.write(json.dumps({k: v for k, v in os.environ.items() if k.startswith("
+        "('FERROGRPC_', 'LOCAL_', 'TORCHELASTIC_RUN'))}) + '\\n')\n"
+        "sys.stdout.flush()\n"
     )
     env = clean_env()
     env.pop("PYTHONPATH")
