@@ -133,9 +133,8 @@ def contributors(
             if missing:
                 # A rank keeps its number within an epoch: the victim's
                 # rank is the one of its last record (same epoch).
-                if step != last + 1 or not its or its[0]["epoch"] != ds[0]["began"]:
-                    return f"step {step}: no record of ranks {missing} of {world}"
-                if missing != [int(its[0]["slice"][0])]:
+                victims = [int(d["slice"][0]) for d in its if d["epoch"] == ds[0]["began"]]
+                if step != last + 1 or missing != victims:
                     return f"step {step}: no record of ranks {missing} of {world}"
                 parts += [(r, world) for r in missing]
         out[step] = sorted(parts)
