@@ -50,6 +50,7 @@ def check(run: Run, steps: int) -> dict[int, list[dict[str, Any]]]:
         for d in lines:
             if d["copy_of"] is not None:
                 assert d["copy"] == own[d["copy_of"]], (step, d, own)
+            assert d["grad_buffers"] == 1, (step, d)
         replay_step(net, opt, step, lines)
     check_finals(run, steps, net)
     return by_step

@@ -89,6 +89,81 @@ async def test_every_op_above_the_small_bound_on_every_path(
     assert seen[runner] >= 20, seen
 
 
+def _a2a_splits(world: int, inline: int, big: int) -> list[list[int]]:
+    """Elements rank s sends rank d: rank 0 one large piece (elastic FSDP's
+    hand-over to a buddy has that shape) and one of exactly ``inline``
+    elements (the most that travel in the first message); every other rank
+    two large pieces (which split its slot), one of ``inline + 1`` (the
+    least that goes through the slots), or of ``inline``."""
+    rows = [[5, big, inline] + [0] * (world - 3)]
+    for s in range(1, world):
+        sizes = [inline, big + s, inline + 1, 2 * big + s]
+        rows.append([sizes[(s + d) % 4] for d in range(world)])
+    return rows
+
+
+@pytest.mark.parametrize("path", ["grpc ring", "shared-memory rounds", "two-level 2x2"])
+async def test_an_uneven_all_to_all_gives_every_rank_exactly_its_pieces(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Where one host holds the group, an all_to_all runs on its plane
+    # (shm_rounds.LocalGroup.all_to_all): the small pieces in the first
+    # message, the large ones through tiny slots in many rounds (a rank
+    # with several large pieces splits its slot among them). Elsewhere, in
+    # one exchange. Every piece lands where the splits say, bit for bit.
+    from ferrogrpc.algorithms import shm_rounds
+
+    world, transport, hosts, runner = PATHS[path]
+    monkeypatch.setattr(samehost_plane, "SLOT_BYTES", 4096)
+    monkeypatch.setattr(shm_rounds, "INLINE_BYTES", 64)
+    seen = _record_runners(monkeypatch)
+    async with fg.testing.local_group(
+        world,
+        transport=transport,  # type: ignore[arg-type]
+        hosts=hosts,
+        chunk_policy=CHUNKS,
+    ) as peers:
+        for dtype in (torch.float64, torch.int16):
+            rows = _a2a_splits(world, shm_rounds.INLINE_BYTES // dtype.itemsize, 1000)
+            gen = torch.Generator().manual_seed(5)
+            ins = [
+                (torch.randn(sum(rows[s]), generator=gen) * 1000).to(dtype) for s in range(world)
+            ]
+            pieces = [list(torch.split(ins[s], rows[s])) for s in range(world)]
+            outs = [torch.full((sum(r[d] for r in rows),), -1, dtype=dtype) for d in range(world)]
+            await asyncio.gather(
+                *(
+                    peers[r].all_to_all_single(
+                        outs[r], ins[r], [rows[s][r] for s in range(world)], rows[r]
+                    )
+                    for r in range(world)
+                )
+            )
+            for d in range(world):
+                assert torch.equal(outs[d], torch.cat([pieces[s][d] for s in range(world)])), d
+    want = "LocalRunner" if runner == "LocalRunner" else "SmallRunner"
+    assert seen[want] >= 2, seen
+
+
+async def test_an_all_to_all_size_one_rank_does_not_expect_is_named_on_the_plane() -> None:
+    # Rank 1 expects 5 elements from rank 0, which sends it 4: a
+    # ProtocolError on rank 1 naming rank 0 and both sizes, not a hang or
+    # a torn copy.
+    async with fg.testing.local_group(3, transport="shm", timeouts=TIMEOUTS) as peers:
+        calls = [
+            peers[0].all_to_all_single(torch.empty(3), torch.zeros(7), [3, 0, 0], [3, 4, 0]),
+            peers[1].all_to_all_single(torch.empty(5), torch.zeros(0), [5, 0, 0], [0, 0, 0]),
+            peers[2].all_to_all_single(torch.empty(0), torch.zeros(0), [0, 0, 0], [0, 0, 0]),
+        ]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+    err = results[1]
+    assert isinstance(err, fg.ProtocolError), results
+    assert "rank 0" in str(err) and "16 bytes" in str(err) and "20" in str(err), err
+
+
+TIMEOUTS = fg.Timeouts(collective=15, idle=8, connect=20)
+
+
 @pytest.mark.parametrize("path", ["grpc ring", "two-level 2x2"])
 async def test_a_bfloat16_wire_gives_every_rank_the_same_values(
     path: str, monkeypatch: pytest.MonkeyPatch

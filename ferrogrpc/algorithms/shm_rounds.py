@@ -12,6 +12,10 @@ the slots of the segments, a slot's worth per round:
   signals WRITTEN; every rank copies the others' ranges out of their slots,
   and signals DONE.
 
+An all_to_all is an exchange instead (:meth:`LocalGroup.all_to_all`): the
+message that begins it carries each rank's row of the counts and the small
+pieces, and the larger pieces go through the slots in gather-like rounds.
+
 A slot is written again only after every local peer signalled DONE for the
 round that last used it, so a fast rank runs at most ``slots`` rounds ahead.
 Each element is reduced by exactly one rank, in local-rank order, so every
@@ -31,16 +35,23 @@ from ..failure.watchdog import Watchdog
 from ..observe.stats import Stats
 from ..ops import ReduceOp
 from ..samehost.plane import BEGIN, DONE, REDUCED, SMALL, WRITTEN, LocalPlane, split_small
+from ..transport.wire import bytes_view
 from ..v1 import collective_pb2 as pb
 from . import schedule
 from .context import RankContext
 from .descriptor import describe_mismatch
+from .exchange_plan import mismatch, wrong_size
 from .jobs import Job, JobTable
 from .reducers import REDUCERS, Reducer
 from .staging import Stage
 
 Range = tuple[int, int]
 Partition = list[list[Range]]  # by local index: the ranges that index owns
+
+# An all_to_all's piece of at most this many bytes travels in the message
+# that begins the collective (one socket write); a larger one through the
+# slots.
+INLINE_BYTES = 64 << 10
 
 
 def _pieces(ranges: list[Range], a: int, b: int) -> list[Range]:
@@ -287,6 +298,87 @@ class LocalGroup:
             plane.send(DONE, g)
         self.mid_round = False
 
+    async def all_to_all(self, job: Job) -> None:
+        """``job``, an all_to_all among the host's ranks (the whole group).
+        This rank's first message to each peer carries its descriptor, its
+        row of the counts (the elements it sends each rank) and, if at most
+        INLINE_BYTES, the piece for that peer: a ProtocolError naming both
+        ranks if the peer expects another size or runs another collective.
+        Every rank then knows every row, so all count the same rounds for
+        the larger pieces: per round, each sender writes the next part of
+        each of its large pieces into its slot (split evenly among them)
+        and signals WRITTEN; each receiver copies its parts out, and
+        signals DONE."""
+        plane, me, out = self.plane, self.me.rank, job.out
+        assert out is not None and job.splits is not None
+        ins, outs = job.splits
+        source, item = job.buffer, job.buffer.element_size()
+        at_in = [sum(ins[:r]) for r in range(len(ins))]
+        at_out = [sum(outs[:r]) for r in range(len(outs))]
+        inline = INLINE_BYTES // item
+        desc = job.descriptor.SerializeToString()
+        row = torch.tensor(ins, dtype=torch.int64)
+        head = bytes(bytes_view(row))
+        for rank in self.peers:
+            piece = source[at_in[rank] : at_in[rank] + ins[rank]] if ins[rank] <= inline else None
+            body = head if piece is None else head + bytes(bytes_view(piece))
+            plane.send_small(rank, job.seq, desc, memoryview(body))
+        out[at_out[me] : at_out[me] + outs[me]].copy_(source[at_in[me] : at_in[me] + ins[me]])
+        rows = {me: ins}
+        for rank in self.peers:
+            kind, payload = await self.watch.wait(
+                f"r{rank}", rank, f"{job.name}#{job.seq} to start at", plane.first(rank, job.seq)
+            )
+            if kind != SMALL:
+                other = pb.Descriptor.FromString(payload)
+                raise mismatch(self.me, job, rank, other, "ran it through shared segments")
+            theirs, data = split_small(payload)
+            if theirs != desc:
+                raise mismatch(self.me, job, rank, pb.Descriptor.FromString(theirs), "disagrees")
+            if data.nbytes < len(head):  # not a row of this world's counts
+                raise wrong_size(self.me, job, rank, data.nbytes, len(head))
+            counts = torch.frombuffer(data[: len(head)], dtype=torch.int64).tolist()
+            got = counts[me]
+            if got != outs[rank]:
+                raise wrong_size(self.me, job, rank, got * item, outs[rank] * item)
+            rows[rank] = counts
+            if got <= inline:
+                if data.nbytes - len(head) != got * item:
+                    raise wrong_size(self.me, job, rank, data.nbytes - len(head), got * item)
+                if got:
+                    into = out[at_out[rank] : at_out[rank] + got]
+                    into.copy_(torch.frombuffer(data[len(head) :], dtype=source.dtype))
+                    self.stats.local(rank, got * item)
+        # Each sender's large pieces, and the elements of each per round.
+        large = {s: [d for d, n in enumerate(r) if d != s and n > inline] for s, r in rows.items()}
+        per = {s: max(1, plane.slot_bytes // item // max(1, len(d))) for s, d in large.items()}
+        rounds = max((-(-rows[s][d] // per[s]) for s, ds in large.items() for d in ds), default=0)
+        senders = [s for s in self.peers if me in large[s]]
+        self.mid_round = True
+        for k in range(rounds):
+            g = plane.next_round()
+            await self._slot_free(g)
+            p = per[me]
+            slot = plane.slot(me, g % plane.slots).view(source.dtype)
+            for place, d in enumerate(large[me]):
+                lo, hi = k * p, min((k + 1) * p, ins[d])
+                if lo < hi:
+                    slot[place * p : place * p + hi - lo].copy_(
+                        source[at_in[d] + lo : at_in[d] + hi]
+                    )
+            plane.send(WRITTEN, g)
+            for s in senders:
+                p, place = per[s], large[s].index(me)
+                lo, hi = k * p, min((k + 1) * p, outs[s])
+                if lo >= hi:
+                    continue
+                await self._one(WRITTEN, s, g, f"round {g} to be written by")
+                sent = plane.slot(s, g % plane.slots).view(source.dtype)
+                out[at_out[s] + lo : at_out[s] + hi].copy_(sent[place * p : place * p + hi - lo])
+                self.stats.local(s, (hi - lo) * item)
+            plane.send(DONE, g)
+        self.mid_round = False
+
 
 def segments(numel: int, count: int) -> Partition:
     """The ring's segments, one per owner: ``tensor_split`` of [0, numel)."""
@@ -295,6 +387,9 @@ def segments(numel: int, count: int) -> Partition:
 
 async def run_single_host(group: LocalGroup, job: Job, world: int) -> None:
     """``job`` among the ranks of one host, which is the whole group."""
+    if job.kind == pb.ALL_TO_ALL:
+        await group.all_to_all(job)
+        return
     await group.begin()
     kind, buf, stage = job.kind, job.buffer, job.stage
     n, local, index = buf.numel(), group.local, group.index

@@ -184,7 +184,7 @@ class Engine:
         """Whether a collective would go through this rank's shared segments,
         which collectives take in turns (JobTable.turn)."""
         if descriptor.kind == pb.ALL_TO_ALL:
-            return False
+            return self.plane is not None and self.topology.single_host
         return self.plane is not None and not self._small(descriptor, itemsize)
 
     def _small(self, descriptor: pb.Descriptor, itemsize: int) -> bool:
@@ -280,7 +280,8 @@ class Engine:
 
     def _runner(self, job: Job) -> tuple[Callable[[], Coroutine[Any, Any, None]], bool]:
         """How ``job`` runs on the loop: on the direct sockets in the direct
-        thread; in one exchange if it is small; among one host's ranks
+        thread; in one exchange if it is small (an all_to_all: unless one
+        host holds the group); among one host's ranks
         through shared memory; in two levels when several hosts have several
         ranks; else as rings over the transport. Every rank picks alike: the
         topology is the same everywhere. Also whether it runs in the
@@ -290,13 +291,18 @@ class Engine:
         if job.direct:
             self._started(job, "direct", self._all_peers)
             return (lambda: self._run_direct(job)), False
-        if job.kind == pb.ALL_TO_ALL or self._small(job.descriptor, job.buffer.element_size()):
+        plane = self.plane if topo.single_host else None
+        # (An all_to_all's small pieces travel in its first message there:
+        # shm_rounds.LocalGroup.all_to_all.)
+        if (job.kind == pb.ALL_TO_ALL and plane is None) or (
+            job.kind != pb.ALL_TO_ALL and self._small(job.descriptor, job.buffer.element_size())
+        ):
             self._started(job, "one exchange", self._all_peers)
             runner = SmallRunner(self.ctx, self.links, self.plane, topo.local(me.rank), job)
             return runner.run, job.stage is None
-        if self.plane is not None and topo.single_host:
+        if plane is not None:
             self._started(job, "shared memory", self._all_peers)
-            return LocalRunner(self.ctx, self.jobs, self.plane, topo.local(me.rank), job).run, False
+            return LocalRunner(self.ctx, self.jobs, plane, topo.local(me.rank), job).run, False
         if topo.shares_memory and not topo.single_host:
             self._started(job, "two-level", self._all_peers)
             return HierRunner(self.ctx, self.jobs, self.plane, topo, job).run, False

@@ -535,7 +535,9 @@ class Peer:
         """Send rows ``in_splits[r]`` of ``tensor`` (split along dim 0) to each
         rank r and receive ``out_splits[r]`` rows from each into ``out``, in
         rank order; splits left None are equal. Returns ``out``. One exchange
-        of a message per pair of ranks (in parts of a chunk over gRPC).
+        of a message per pair of ranks (in parts of a chunk over gRPC); where
+        one host holds the group, through its shared segments, the pieces of
+        at most 64 KiB in the first message (shm_rounds).
         ``uniform``: every rank has one size and no splits (a small one may
         go direct: engine.number). Synchronization point: a size one rank
         sends and another does not expect is a ProtocolError naming both."""

@@ -187,6 +187,7 @@ class FSDP(nn.Module):
         if plans is not None:
             by_name = {e.name: e for e in self._entries}
             self._units = UnitRuntime(plans, by_name, backend, reshard_after_forward, tolerate)
+            self._lay_grads()
 
     @property
     def backend(self) -> Backend:
@@ -272,6 +273,12 @@ class FSDP(nn.Module):
             e.shard_numel = -(-e.numel // world)
         if self._units is not None:
             self._units.relayout(world)
+            self._lay_grads()
+
+    def _lay_grads(self) -> None:
+        # Elastic: the gradient shards land where the hand-over sends them.
+        if self._elastic is not None and self._units is not None:
+            self._units.grad_offsets, self._units.grad_bytes = self._elastic.grad_layout()
 
     def _install(self) -> None:
         for e, full in zip(self._entries, self._gather(tolerant=True), strict=True):

@@ -23,9 +23,8 @@ from .fsdp_reshard import COPY, OWN, Layout, Lost, Piece, plan
 
 logger = logging.getLogger("ferrogrpc.fsdp")
 
-# Point-to-point tags: a gradient handed to a buddy; a re-shard's pieces.
-GRAD_TAG = 0xFE57B000
-MOVE_TAG = GRAD_TAG + 1
+# The point-to-point tag of a re-shard's pieces.
+MOVE_TAG = 0xFE57B001
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
 _DTYPES.update({str(d): d for d in (torch.int64, torch.int32, torch.uint8, torch.bool)})
@@ -164,35 +163,78 @@ class ElasticShards:
     def _trained(self) -> list[int]:
         return [i for i, e in enumerate(self._entries) if e.shard.requires_grad]
 
+    def grad_layout(self) -> tuple[dict[int, int] | None, int]:
+        """Where the hand-over lays each trained gradient shard in its one
+        message: byte offsets by id of the entry, in the entries' order, and
+        the message's size. None where a shard would sit unaligned for its
+        dtype (FSDP's units then give each shard a tensor of its own, and
+        the hand-over copies them together)."""
+        offsets: dict[int, int] = {}
+        at = 0
+        for i in self._trained():
+            e = self._entries[i]
+            if at % e.shard.element_size():
+                return None, 0
+            offsets[id(e)] = at
+            at += e.shard_numel * e.shard.element_size()
+        return offsets, at
+
+    def _one_buffer(self, grads: dict[int, torch.Tensor], trained: list[int]) -> torch.Tensor:
+        """The gradient shards as one byte tensor in grad_layout's order: the
+        buffer they already share where FSDP's units put them there (one
+        backward since the last sync), else a copy of them together."""
+        offsets, total = self.grad_layout()
+        storage = grads[trained[0]].untyped_storage()
+        base = storage.data_ptr()
+        if (
+            offsets is not None
+            and storage.nbytes() == total
+            and all(
+                grads[i].untyped_storage().data_ptr() == base
+                and grads[i].data_ptr() - base == offsets[id(self._entries[i])]
+                for i in trained
+            )
+        ):
+            return torch.empty(0, dtype=torch.uint8).set_(storage)
+        return torch.cat([as_bytes(grads[i].contiguous()) for i in trained])
+
     def _hand_over(self, grads: dict[int, torch.Tensor]) -> list[torch.Tensor | None]:
         """Send this rank's gradient shards to its buddy and receive the
-        ones of the shard it keeps a copy of."""
+        ones of the shard it keeps a copy of: one all_to_all of every
+        member, each sending one piece (through the host's shared segments
+        where one host holds the group, else over gRPC)."""
         backend, layout = self._backend, self.layout
         buddy, owner = layout.buddy(self.rank), layout.copy_of(self.rank)
         trained = self._trained()
-        works: list[Work[Any]] = []
-        if buddy is not None and trained:
-            flat = torch.cat([as_bytes(grads[i].contiguous()) for i in trained])
-            works.append(backend.send(flat, buddy, GRAD_TAG, async_op=True))
         received: list[torch.Tensor | None] = [None] * len(self._entries)
-        if owner is not None and trained:
-            sizes = [
-                self._entries[i].shard_numel * self._entries[i].shard.element_size()
-                for i in trained
-            ]
-            into = torch.empty(sum(sizes), dtype=torch.uint8)
-            backend.recv(into, owner, GRAD_TAG)
-            offset = 0
-            for i, size in zip(trained, sizes, strict=True):
-                # A view of the one buffer where aligned (no second copy at
-                # the peak); it lives until the copy's step.
-                e = self._entries[i]
-                piece = into[offset : offset + size]
-                aligned = offset % e.shard.element_size() == 0
-                received[i] = (piece if aligned else piece.clone()).view(e.shard.dtype)
-                offset += size
-        for work in works:
-            work.wait()
+        if layout.world < 2 or not trained:
+            return received
+        sizes = [
+            self._entries[i].shard_numel * self._entries[i].shard.element_size() for i in trained
+        ]
+        flat = self._one_buffer(grads, trained)
+        into = torch.empty(sum(sizes) if owner is not None else 0, dtype=torch.uint8)
+        outgoing = [0] * layout.world
+        incoming = [0] * layout.world
+        if buddy is not None:
+            outgoing[buddy] = flat.numel()
+        if owner is not None:
+            incoming[owner] = into.numel()
+        if buddy is None:
+            flat = flat[:0]
+        backend.all_to_all_single(into, flat, incoming, outgoing)
+        del flat
+        if owner is None:
+            return received
+        offset = 0
+        for i, size in zip(trained, sizes, strict=True):
+            # A view of the one buffer where aligned (no second copy at the
+            # peak); it lives until the copy's step.
+            e = self._entries[i]
+            piece = into[offset : offset + size]
+            aligned = offset % e.shard.element_size() == 0
+            received[i] = (piece if aligned else piece.clone()).view(e.shard.dtype)
+            offset += size
         return received
 
     def _step_copies(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:

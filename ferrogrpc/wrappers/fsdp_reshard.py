@@ -8,8 +8,10 @@ trains it, and a *buddy*, which keeps a copy of it and of its optimizer
 state. Buddies are ranks a fixed number of places apart, the number that
 puts the most of them on another host than their owner (the next rank on
 a single host), so that each rank keeps exactly one copy. At each
-gradient sync every owner hands its reduced gradient shard to its buddy,
-and once the sync is committed (through the coordinator, as elastic
+gradient sync every owner hands its reduced gradient shard to its buddy
+(one all_to_all of the group: through the shared segments where one host
+holds it, the shards already laid out as the message, UnitRuntime's
+grad_offsets), and once the sync is committed (through the coordinator, as elastic
 DDP's) the buddy applies the same optimizer step to its copy, with the
 same optimizer: owner and copy stay bitwise equal, and a copy is never
 older than a committed step.

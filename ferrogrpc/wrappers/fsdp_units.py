@@ -86,6 +86,13 @@ class UnitRuntime:
         self._in_backward = False
         self._rounds = 0  # backward passes since the last sync
         self._pending: list[tuple[ShardedParam, Work[torch.Tensor], torch.Tensor]] = []
+        # Where each trained gradient shard lands in one buffer per backward
+        # pass (byte offsets by id of the entry, and the buffer's size), as
+        # elastic FSDP hands them to a buddy in one message; None: each
+        # lands in a tensor of its own.
+        self.grad_offsets: dict[int, int] | None = None
+        self.grad_bytes = 0
+        self._arena: torch.Tensor | None = None
         self._handles: list[RemovableHandle] = []
         self.relayout(self._world)
         for unit in self.units:
@@ -331,7 +338,7 @@ class UnitRuntime:
                 flat = torch.zeros(padded, **kw)
                 flat[: e.numel].copy_(grad.detach().reshape(-1))
             del grad
-            out = torch.empty(e.shard_numel, **kw)
+            out = self._out(e)
             if not self._void:
                 try:
                     work = self._backend.reduce_scatter_tensor(out, flat, "mean", async_op=True)
@@ -345,6 +352,16 @@ class UnitRuntime:
             # A frozen one may still be read (a LoRA base weight, for the
             # input's gradient): such a unit is freed when backward ends.
             self._free(unit)
+
+    def _out(self, e: ShardedParam) -> torch.Tensor:
+        """A fresh buffer for ``e``'s gradient shard (see grad_offsets)."""
+        at = None if self.grad_offsets is None else self.grad_offsets.get(id(e))
+        if at is None:
+            return torch.empty(e.shard_numel, dtype=e.shard.dtype, device=e.shard.device)
+        if self._arena is None:
+            self._arena = torch.empty(self.grad_bytes, dtype=torch.uint8, device=e.shard.device)
+        size = e.shard_numel * e.shard.element_size()
+        return self._arena[at : at + size].view(e.shard.dtype)
 
     def _end_backward_callback(self) -> None:
         with self._lock:
@@ -363,6 +380,7 @@ class UnitRuntime:
             self._next_launch = 0
             self._in_backward = False
             self._rounds += 1
+            self._arena = None  # the next pass's shards land in a new one
 
     # --------------------------------------------------------------- sync
 
@@ -392,6 +410,7 @@ class UnitRuntime:
                         unit.launched = False
             finally:
                 pending, self._pending, self._rounds = self._pending, [], 0
+                self._arena = None
         failure: BaseException | None = None
         for e, work, out in pending:
             owner = self._unit_of.get(id(e), "?")

@@ -125,6 +125,15 @@ def run(backend: Any, fsdp: Any, net: nn.Module, opt: Any, state: Any) -> None:
             "own": _digest([p for p in fsdp.parameters()]),
             "copy": _digest(shards.copies) if shards.copies else None,
             "copy_of": shards.layout.copy_of(shards.rank),
+            # The gradient shards' buffers: one, laid out as the hand-over
+            # to the buddy sends it (nothing copied together there).
+            "grad_buffers": len(
+                {
+                    p.grad.untyped_storage().data_ptr()
+                    for p in fsdp.parameters()
+                    if p.grad is not None
+                }
+            ),
             "t": time.time(),
         }
         print(json.dumps(line), flush=True)
