@@ -21,7 +21,9 @@ take them in turn). Printed per repeat:
   allocating its planes, posting its receives, to the last message's end),
   beside a bare gRPC stream's on this machine (raw bytes from one process
   to another with grpc.aio, 1 MiB messages, the same byte count; the bar:
-  >= 70% of it).
+  >= 70% of it). Beside it, what the whole group received in that
+  re-shard (every member's pieces: on two cores the joiner's transfer
+  shares them with the members' own) over the same bare rate.
 
 The data path is gRPC (FERROGRPC_SHM=0), as between hosts, so that the two
 rates compare like with like.
@@ -277,6 +279,17 @@ def one(at: str, args: argparse.Namespace) -> dict[str, float]:
                 ],
                 "the joiner never trained",
             )[0]
+
+            # Every member's account of the same re-shard (what each received).
+            def members_moved() -> dict[int, dict[str, float]] | None:
+                got = {
+                    d["proc"]: d["moved"]
+                    for d in lines(procs, logs)
+                    if "moved" in d and d["world"] == args.nproc
+                }
+                return got if len(got) == args.nproc else None
+
+            grown = wait_for(members_moved, "not every member re-sharded for the joiner")
             # (The rest of the run is not measured: it is stopped here.)
         finally:
             for p in [*procs, coordinator]:
@@ -305,6 +318,8 @@ def one(at: str, args: argparse.Namespace) -> dict[str, float]:
         "joiner_bytes": moved["bytes"],
         "joiner_seconds": moved["seconds"],
         "joiner_arrival": moved["arrival"],
+        "group_bytes": sum(m["bytes"] for m in grown.values()),
+        "group_arrival": max(m["arrival"] for m in grown.values()),
     }
 
 
@@ -355,7 +370,9 @@ def main() -> int:
             f"received {r['joiner_bytes'] / 1e6:.1f} MB in a re-shard of "
             f"{r['joiner_seconds']:.2f}s ({r['rate'] / bare:.0%} of the bare stream), arriving "
             f"in {r['joiner_arrival']:.2f}s at {r['arriving'] / 1e6:.0f} MB/s; bare gRPC "
-            f"stream {bare / 1e6:.0f} MB/s ({r['arriving'] / bare:.0%})",
+            f"stream {bare / 1e6:.0f} MB/s ({r['arriving'] / bare:.0%}); the whole group "
+            f"received {r['group_bytes'] / 1e6:.0f} MB in {r['group_arrival']:.2f}s, "
+            f"{r['group_bytes'] / r['group_arrival'] / bare:.0%} of the bare stream",
             flush=True,
         )
     over = [r["recovery"] - r["step"] for r in runs]
