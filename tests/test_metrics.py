@@ -618,6 +618,7 @@ def test_a_joiners_reshard_shows_in_every_members_metrics_and_trace(tmp_path: Pa
     # other's copy): they take their new pieces from themselves.
     assert received["0"] == 0 and received["1"] == 0, received
     grown = []
+    kinds: list[set[str]] = []
     for path in trace.trace_files(traces):
         events = trace.load(path)["traceEvents"]
         slices = [e for e in events if e.get("cat") == FSDP_RESHARD]
@@ -626,7 +627,14 @@ def test_a_joiners_reshard_shows_in_every_members_metrics_and_trace(tmp_path: Pa
             assert reshard["args"]["world_size"] == 3, reshard
             assert reshard["args"]["from_world_size"] == 2, reshard
             assert reshard["args"]["elements"] > 0, reshard
-            sends = [e for e in events if e.get("cat") == "collective" and e["name"] == "send"]
-            assert sends, f"{path}: no point-to-point message"
+            p2p = {
+                e["name"]
+                for e in events
+                if e.get("cat") == "collective" and e["name"] in ("send", "recv")
+            }
+            assert p2p, f"{path}: no point-to-point message"
+            kinds.append(p2p)
             grown.append(reshard["args"]["epoch"])
     assert len(grown) == 3 and len(set(grown)) == 1, grown
+    # The members sent the joiner its pieces; it received them.
+    assert any("send" in k for k in kinds) and any("recv" in k for k in kinds), kinds

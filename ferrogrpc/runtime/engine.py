@@ -172,8 +172,10 @@ class Engine:
             stamped.stamp = self.stamp
             descriptor = stamped
         itemsize = buffer.element_size()
-        ordered = self._uses_plane(descriptor, itemsize)
         direct = self.direct is not None and is_direct(descriptor, itemsize)
+        # (A direct job never touches the segments: a small uniform
+        # all_to_all on one host, say.)
+        ordered = not direct and self._uses_plane(descriptor, itemsize)
         job = self.jobs.add(
             name, descriptor, buffer, op, out, out_offset, ordered, wire, direct=direct
         )
