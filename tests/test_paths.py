@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from typing import Any
 
 import pytest
 import torch
@@ -56,20 +57,27 @@ def _record_runners(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]
     return seen
 
 
-@pytest.mark.parametrize("path", list(PATHS))
-async def test_every_op_above_the_small_bound_on_every_path(
-    path: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    world, transport, hosts, runner = PATHS[path]
-    # Tiny slots: a collective takes many rounds, and every slot is reused.
+def _group_on(path: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A group of ``path``'s world on its transport and hosts, with tiny
+    slots: a collective through the segments takes many rounds, and every
+    slot is reused."""
+    world, transport, hosts, _ = PATHS[path]
     monkeypatch.setattr(samehost_plane, "SLOT_BYTES", 4096)
-    seen = _record_runners(monkeypatch)
-    async with fg.testing.local_group(
+    return fg.testing.local_group(
         world,
         transport=transport,  # type: ignore[arg-type]
         hosts=hosts,
         chunk_policy=CHUNKS,
-    ) as peers:
+    )
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+async def test_every_op_above_the_small_bound_on_every_path(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    world, _, _, runner = PATHS[path]
+    seen = _record_runners(monkeypatch)
+    async with _group_on(path, monkeypatch) as peers:
         seed = 100
         for dtype in (torch.float32, torch.int32):
             ops = ["sum", "mean", "max", "min"] if dtype.is_floating_point else ["sum", "max"]
@@ -113,16 +121,10 @@ async def test_an_uneven_all_to_all_gives_every_rank_exactly_its_pieces(
     # one exchange. Every piece lands where the splits say, bit for bit.
     from ferrogrpc.algorithms import shm_rounds
 
-    world, transport, hosts, runner = PATHS[path]
-    monkeypatch.setattr(samehost_plane, "SLOT_BYTES", 4096)
+    world, _, _, runner = PATHS[path]
     monkeypatch.setattr(shm_rounds, "INLINE_BYTES", 64)
     seen = _record_runners(monkeypatch)
-    async with fg.testing.local_group(
-        world,
-        transport=transport,  # type: ignore[arg-type]
-        hosts=hosts,
-        chunk_policy=CHUNKS,
-    ) as peers:
+    async with _group_on(path, monkeypatch) as peers:
         for dtype in (torch.float64, torch.int16):
             rows = _a2a_splits(world, shm_rounds.INLINE_BYTES // dtype.itemsize, 1000)
             gen = torch.Generator().manual_seed(5)
@@ -170,14 +172,8 @@ async def test_a_bfloat16_wire_gives_every_rank_the_same_values(
 ) -> None:
     # Across gRPC every rank's values (its own included) are rounded to the
     # wire dtype, so all ranks hold bitwise the same result, within the bound.
-    world, transport, hosts, _ = PATHS[path]
-    monkeypatch.setattr(samehost_plane, "SLOT_BYTES", 4096)
-    async with fg.testing.local_group(
-        world,
-        transport=transport,  # type: ignore[arg-type]
-        hosts=hosts,
-        chunk_policy=CHUNKS,
-    ) as peers:
+    world, _, hosts, _ = PATHS[path]
+    async with _group_on(path, monkeypatch) as peers:
         gen = torch.Generator().manual_seed(7)
         inputs = [torch.randn(PART, generator=gen) for _ in range(world)]
         tensors = [t.clone() for t in inputs]
@@ -217,14 +213,8 @@ async def test_a_root_that_runs_ahead_never_reuses_a_slot_still_being_read(
     # so it runs rounds ahead of its readers, and must wait for them before
     # it writes over a slot (the plane's round counter starts here: the
     # first reuse is the one that counts).
-    world, transport, hosts, _ = PATHS[path]
-    monkeypatch.setattr(samehost_plane, "SLOT_BYTES", 4096)
-    async with fg.testing.local_group(
-        world,
-        transport=transport,  # type: ignore[arg-type]
-        hosts=hosts,
-        chunk_policy=CHUNKS,
-    ) as peers:
+    world = PATHS[path][0]
+    async with _group_on(path, monkeypatch) as peers:
         await check_broadcast(peers, (PART,), torch.float32, world - 1, seed=3)
 
 
