@@ -365,14 +365,21 @@ def _hold_grpc_reports(peer: fg.Peer) -> None:
     peer._ctx.transport.send_abort = held  # type: ignore[method-assign]
 
 
-async def _fail_on_rank_1(peers: list[fg.Peer], numel: int) -> tuple[list[Any], list[float]]:
-    """Every rank's all_reduce of ``numel`` ones: its error (or result) and
-    when it ended."""
+async def _fail_on_rank_1(
+    peers: list[fg.Peer], numel: int, op: str = "all_reduce"
+) -> tuple[list[Any], list[float]]:
+    """Every rank's all_reduce of ``numel`` ones (or all_to_all: an equal
+    part of them to every rank): its error (or result) and when it ended."""
     _hold_grpc_reports(peers[1])
+
+    def call(peer: fg.Peer) -> Any:
+        if op == "all_reduce":
+            return peer.all_reduce(torch.ones(numel))
+        return peer.all_to_all_single(torch.empty(numel), torch.ones(numel))
 
     async def one(peer: fg.Peer) -> tuple[Any, float]:
         try:
-            result: Any = await peer.all_reduce(torch.ones(numel))
+            result: Any = await call(peer)
         except fg.FerroGrpcError as exc:
             result = exc
         except RuntimeError as exc:  # (rank 1's own error, where it raises it as it is)
@@ -404,12 +411,15 @@ TIMEOUTS = fg.Timeouts(collective=15, idle=8, connect=20)
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("op", ["all_reduce", "all_to_all"])
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 async def test_a_shared_memory_collective_failing_mid_round_aborts_the_plane(
-    fault: str, monkeypatch: pytest.MonkeyPatch
+    fault: str, op: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Issue 56 item 24: rank 1 fails between two rounds of an all-reduce
-    # through the shared segments (at its second "written" signal).
+    # through the shared segments (at its second "written" signal); the
+    # same inside an all_to_all's rounds (its parts of 128 KiB each go
+    # through the slots).
     monkeypatch.setattr(local, "SLOT_BYTES", 4096)
     armed, at, written = [False], [], [0]
     send = local.LocalPlane.send
@@ -424,7 +434,7 @@ async def test_a_shared_memory_collective_failing_mid_round_aborts_the_plane(
     monkeypatch.setattr(local.LocalPlane, "send", faulty)
     async with fg.testing.local_group(3, transport="shm", timeouts=TIMEOUTS) as peers:
         armed[0] = True
-        results, ended = await _fail_on_rank_1(peers, 1 << 17)
+        results, ended = await _fail_on_rank_1(peers, 3 << 15, op)
         _assert_told_through_the_plane(peers, results, ended, at, [0, 2])
 
 
