@@ -93,25 +93,27 @@ PATHS = {"grpc": ({"FERROGRPC_SHM": "0"}, 5.0), "shm": ({"FERROGRPC_SHM": "1"}, 
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize(
+    ("path", "op"), [("grpc", "all_reduce"), ("shm", "all_reduce"), ("shm", "all_to_all")]
+)
 def test_sigkilled_peer_is_named_on_every_rank_within_5s(
-    path: str, tmp_path: Path, report: Callable[[str], None]
+    path: str, op: str, tmp_path: Path, report: Callable[[str], None]
 ) -> None:
     env, bound = PATHS[path]
-    results, fault_time = _run_fault("kill", tmp_path, env)
+    results, fault_time = _run_fault("kill", tmp_path, {**env, "FAULT_OP": op})
     for r in results:
         print(f"rank {r['rank']}: {r['type']} peer {r['peer']}: {r['message']}")
     address = _victim_address(results)
     for r in results:
         delay = float(r["time"]) - fault_time  # type: ignore[arg-type]
         report(
-            f"SIGKILL of rank {VICTIM} ({path}): rank {r['rank']} raised {r['type']} "
+            f"SIGKILL of rank {VICTIM} ({path}, {op}): rank {r['rank']} raised {r['type']} "
             f"after {delay:.3f}s"
         )
         assert r["type"] == "PeerError", r
         assert r["peer"] == VICTIM, r
         assert f"rank {VICTIM}" in str(r["message"]) and address in str(r["message"]), r
-        assert r["op"] == "all_reduce" and r["seq"] == 3, r
+        assert r["op"] == op and r["seq"] == 3, r
         assert delay < bound, f"rank {r['rank']} took {delay:.2f}s to notice"
         # Later collectives raise at once, with the original cause.
         assert r["later"] == "PeerError" and float(r["later_seconds"]) < 0.5, r  # type: ignore[arg-type]
@@ -123,14 +125,16 @@ def test_sigkilled_peer_is_named_on_every_rank_within_5s(
 # The same-host path here; a SIGSTOPped rank over gRPC is named in
 # test_direct.py (test_a_stopped_rank_is_named_as_stuck[grpc]).
 @pytest.mark.parametrize("path", ["shm"])
+@pytest.mark.parametrize("op", ["all_reduce", "all_to_all"])
 def test_sigstopped_peer_times_out_naming_it(
-    path: str, tmp_path: Path, report: Callable[[str], None]
+    path: str, op: str, tmp_path: Path, report: Callable[[str], None]
 ) -> None:
-    results, fault_time = _run_fault("stop", tmp_path, {"FAULT_IDLE": "2", **PATHS[path][0]})
+    env = {"FAULT_IDLE": "2", "FAULT_OP": op, **PATHS[path][0]}
+    results, fault_time = _run_fault("stop", tmp_path, env)
     for r in results:
         delay = float(r["time"]) - fault_time  # type: ignore[arg-type]
         report(
-            f"SIGSTOP of rank {VICTIM} ({path}, idle timeout 2s): rank {r['rank']} raised "
+            f"SIGSTOP of rank {VICTIM} ({path}, {op}, idle timeout 2s): rank {r['rank']} raised "
             f"{r['type']} after {delay:.3f}s"
         )
         assert r["type"] == "CollectiveTimeoutError", r

@@ -1,5 +1,6 @@
-"""A rank program for fault tests: every rank starts a 64 MiB all_reduce and
-the victim rank fails mid-collective. Usage: faults.py MODE VICTIM OUTDIR.
+"""A rank program for fault tests: every rank starts a 64 MiB all_reduce (or,
+with FAULT_OP=all_to_all, an all_to_all of 16 MiB to each rank) and the
+victim rank fails mid-collective. Usage: faults.py MODE VICTIM OUTDIR.
 
 - kill: the victim SIGKILLs itself once its collective is under way.
 - stop: the victim SIGSTOPs itself (the test SIGKILLs it afterwards).
@@ -28,6 +29,16 @@ def main() -> None:
     rank = backend.rank
     t = torch.ones(16 << 20)  # 64 MiB float32
     backend.all_reduce(t)  # a full one first: every connection is up
+    if os.environ.get("FAULT_OP") == "all_to_all":
+        out = torch.empty_like(t)
+
+        def collective() -> None:
+            backend.all_to_all_single(out, t)
+    else:
+
+        def collective() -> None:
+            backend.all_reduce(t)
+
     if rank == victim:
         stats = fg.testing.stats(backend)
 
@@ -44,7 +55,7 @@ def main() -> None:
 
         threading.Thread(target=strike, daemon=True).start()
     try:
-        backend.all_reduce(t)
+        collective()
     except fg.FerroGrpcError as exc:
         caught = time.time()
         record = {
