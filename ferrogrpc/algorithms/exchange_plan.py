@@ -92,7 +92,7 @@ def plan(
     if kind == pb.ALL_TO_ALL:
         assert wire is None and job.splits is not None
         ins, outs = job.splits
-        at = _offsets(ins)
+        at = offsets(ins)
         return {r: buf[at[r] : at[r] + ins[r]] for r in others}, {r: outs[r] * item for r in others}
     raise AssertionError(f"not a small collective: kind {kind}")
 
@@ -128,7 +128,7 @@ def finish(
     elif kind == pb.ALL_TO_ALL:
         assert job.out is not None and job.splits is not None
         ins, outs = job.splits
-        at_in, at_out = _offsets(ins), _offsets(outs)
+        at_in, at_out = offsets(ins), offsets(outs)
         out = job.out
         own = buf[at_in[rank] : at_in[rank] + ins[rank]]
         out[at_out[rank] : at_out[rank] + outs[rank]].copy_(own)
@@ -146,7 +146,7 @@ def finish(
     return 0, n
 
 
-def _offsets(sizes: list[int]) -> list[int]:
+def offsets(sizes: list[int]) -> list[int]:
     """Where each rank's part starts, the parts laid end to end in rank order."""
     return [sum(sizes[:r]) for r in range(len(sizes))]
 

@@ -40,7 +40,7 @@ from ..v1 import collective_pb2 as pb
 from . import schedule
 from .context import RankContext
 from .descriptor import describe_mismatch
-from .exchange_plan import mismatch, wrong_size
+from .exchange_plan import mismatch, offsets, wrong_size
 from .jobs import Job, JobTable
 from .reducers import REDUCERS, Reducer
 from .staging import Stage
@@ -313,8 +313,7 @@ class LocalGroup:
         assert out is not None and job.splits is not None
         ins, outs = job.splits
         source, item = job.buffer, job.buffer.element_size()
-        at_in = [sum(ins[:r]) for r in range(len(ins))]
-        at_out = [sum(outs[:r]) for r in range(len(outs))]
+        at_in, at_out = offsets(ins), offsets(outs)
         inline = INLINE_BYTES // item
         desc = job.descriptor.SerializeToString()
         row = torch.tensor(ins, dtype=torch.int64)

@@ -118,7 +118,7 @@ class Engine:
     def data_path(self) -> str:
         """``"shared memory"``, ``"two-level"`` or ``"grpc"``."""
         topo = self.topology
-        if self.plane is not None and topo.single_host:
+        if self._host_plane is not None:
             return "shared memory"
         if topo.shares_memory and not topo.single_host:
             return "two-level"
@@ -182,11 +182,16 @@ class Engine:
         job.entry = self.observer.called(job.seq, name, buffer.nbytes, _dtype_name(buffer.dtype))
         return job
 
+    @property
+    def _host_plane(self) -> LocalPlane | None:
+        """The same-host plane where one host holds the whole group."""
+        return self.plane if self.topology.single_host else None
+
     def _uses_plane(self, descriptor: pb.Descriptor, itemsize: int) -> bool:
         """Whether a collective would go through this rank's shared segments,
         which collectives take in turns (JobTable.turn)."""
         if descriptor.kind == pb.ALL_TO_ALL:
-            return self.plane is not None and self.topology.single_host
+            return self._host_plane is not None
         return self.plane is not None and not self._small(descriptor, itemsize)
 
     def _small(self, descriptor: pb.Descriptor, itemsize: int) -> bool:
@@ -293,7 +298,7 @@ class Engine:
         if job.direct:
             self._started(job, "direct", self._all_peers)
             return (lambda: self._run_direct(job)), False
-        plane = self.plane if topo.single_host else None
+        plane = self._host_plane
         # (An all_to_all's small pieces travel in its first message there:
         # shm_rounds.LocalGroup.all_to_all.)
         if (job.kind == pb.ALL_TO_ALL and plane is None) or (

@@ -212,16 +212,15 @@ class ElasticShards:
         sizes = [
             self._entries[i].shard_numel * self._entries[i].shard.element_size() for i in trained
         ]
-        flat = self._one_buffer(grads, trained)
+        flat = torch.empty(0, dtype=torch.uint8)
         into = torch.empty(sum(sizes) if owner is not None else 0, dtype=torch.uint8)
         outgoing = [0] * layout.world
         incoming = [0] * layout.world
         if buddy is not None:
+            flat = self._one_buffer(grads, trained)
             outgoing[buddy] = flat.numel()
         if owner is not None:
             incoming[owner] = into.numel()
-        if buddy is None:
-            flat = flat[:0]
         backend.all_to_all_single(into, flat, incoming, outgoing)
         del flat
         if owner is None:

@@ -11,8 +11,8 @@ a single host), so that each rank keeps exactly one copy. At each
 gradient sync every owner hands its reduced gradient shard to its buddy
 (one all_to_all of the group: through the shared segments where one host
 holds it, the shards already laid out as the message, UnitRuntime's
-grad_offsets), and once the sync is committed (through the coordinator, as elastic
-DDP's) the buddy applies the same optimizer step to its copy, with the
+grad_offsets), and once the sync is committed (through the coordinator,
+as elastic DDP's) the buddy applies the same optimizer step to its copy, with the
 same optimizer: owner and copy stay bitwise equal, and a copy is never
 older than a committed step.
 
