@@ -678,7 +678,10 @@ def test_status_of_an_elastic_group_shows_its_epoch_members_and_joiners() -> Non
     # no member (issue 55): the group's members enter epochs, they never
     # Join. A real coordinator process, two elastic members training, then
     # a third process that waits to be admitted at their next step boundary
-    # (each step is followed by PACE seconds).
+    # (held back by HOLD_FILE until the status has shown it waiting: polled
+    # by a fresh `ferrogrpc status` process each time, a busy host could
+    # miss a wait of one PACE).
+    import os
     import re
     import subprocess
     import sys
@@ -697,6 +700,7 @@ def test_status_of_an_elastic_group_shows_its_epoch_members_and_joiners() -> Non
         WORLD="2",
         STEPS="1000",
         PACE="3",
+        HOLD_FILE=os.path.join(out_dir.name, "hold"),
     )
     cli = [sys.executable, "-m", "ferrogrpc.cli"]
     coordinator = subprocess.Popen(
@@ -747,6 +751,8 @@ def test_status_of_an_elastic_group_shows_its_epoch_members_and_joiners() -> Non
         assert [(r[0], r[3]) for r in rows] == [("0", "member"), ("1", "member")], out
         assert len({r[1] for r in rows}) == 2, out  # each its own address
         assert all(r[2] < 2.0 for r in rows), out  # heartbeats within the timeout
+        with open(env["HOLD_FILE"], "w"):
+            pass
         ranks.append(spawn_rank("elastic_train.py", env=env))
         out = wait_for(
             "the third process waiting to be admitted",
@@ -757,6 +763,7 @@ def test_status_of_an_elastic_group_shows_its_epoch_members_and_joiners() -> Non
         )
         _, joiner, joiner_age, _ = re.findall(STATUS_ROW, out, re.MULTILINE)[-1]
         assert float(joiner_age) < 2.0, out
+        os.remove(env["HOLD_FILE"])
         out = wait_for(
             "the joiner admitted in epoch 2",
             lambda out, rows: "epoch 2: 3 members, 0 joiners waiting" in out,
