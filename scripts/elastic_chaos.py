@@ -83,6 +83,7 @@ class Chaos:
         min_world: int = 2,
         hang: float = 30.0,
         log: Any = print,
+        spawn: Any = None,
     ) -> None:
         sys.path.insert(0, str(ROOT))
         from ferrogrpc.testing import free_port
@@ -94,6 +95,11 @@ class Chaos:
         self.min_world = min_world
         self.hang = hang
         self.log = log
+        # How a rank process starts: spawn(argv, env, output file) returning
+        # what subprocess.Popen does (pid, poll, wait, kill), or None for a
+        # new interpreter. (The tests start forks of a process that imported
+        # torch already.)
+        self.spawn = spawn
         self.port = free_port()
         self.env = {
             **os.environ,
@@ -111,7 +117,7 @@ class Chaos:
         }
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.coordinators = 0
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[Any] = []
         self.killed: set[int] = set()
         self.problems: list[str] = []
         # Steps whose contributors' slices overlapped, and steps with a
@@ -142,16 +148,19 @@ class Chaos:
 
     def start_rank(self) -> int:
         n = len(self.procs)
-        out = (self.tmp / f"rank{n}.out").open("wb")
-        self.procs.append(
-            subprocess.Popen(
-                [sys.executable, str(RANK)],
-                cwd=ROOT,
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        )
+        with (self.tmp / f"rank{n}.out").open("wb") as out:
+            if self.spawn is not None:
+                self.procs.append(self.spawn([str(RANK)], self.env, out))
+            else:
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(RANK)],
+                        cwd=ROOT,
+                        env=self.env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
         return n
 
     def kill_rank(self, n: int) -> None:
@@ -440,12 +449,16 @@ def run(
     pace: float = 0.05,
     hang: float = 30.0,
     log: Any = print,
+    spawn: Any = None,
 ) -> tuple[Chaos, list[str]]:
     """Start a group, wait for its first steps, apply ``events`` in order
     (each after its delay, once the group made progress since the last),
-    let it finish, and check. Returns the run and its violations."""
+    let it finish, and check. Returns the run and its violations. ``spawn``:
+    as :class:`Chaos`'s."""
     rng = random.Random(seed)
-    chaos = Chaos(tmp, nproc, steps, heartbeat=heartbeat, pace=pace, hang=hang, log=log)
+    chaos = Chaos(
+        tmp, nproc, steps, heartbeat=heartbeat, pace=pace, hang=hang, log=log, spawn=spawn
+    )
     chaos.start_coordinator()
     for _ in range(nproc):
         chaos.start_rank()

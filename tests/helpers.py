@@ -78,18 +78,24 @@ class Forked:
     """A rank process forked by the :class:`Zygote`: what run_ranks needs of
     a ``subprocess.Popen`` (pid, poll, wait, kill, communicate)."""
 
-    def __init__(self, conn: socket.socket, out: int) -> None:
+    def __init__(self, conn: socket.socket, out: int | None, stdin: int | None = None) -> None:
         self._conn = conn
         self._lines = conn.makefile("r")
         self.pid = int(self._lines.readline())
         self.returncode: int | None = None
+        # Its standard input, where the caller gave it a pipe (text).
+        self.stdin = None if stdin is None else os.fdopen(stdin, "w")
         self._out: list[bytes] = []
+        # Its output is collected here unless it goes somewhere of the
+        # caller's (``out`` None).
         self._reader = threading.Thread(target=self._read, args=(out,), daemon=True)
-        self._reader.start()
+        if out is not None:
+            self._reader.start()
         self._exit = threading.Thread(target=self._wait_exit, daemon=True)
         self._exit.start()
 
-    def _read(self, fd: int) -> None:
+    def _read(self, fd: int | None) -> None:
+        assert fd is not None
         with os.fdopen(fd, "rb") as pipe:
             while chunk := pipe.read1(1 << 16):
                 self._out.append(chunk)
@@ -125,7 +131,8 @@ class Forked:
         deadline = None if timeout is None else time.monotonic() + timeout
         self.wait(timeout)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        self._reader.join(left)  # its output, up to the pipe's end
+        if self._reader.ident is not None:
+            self._reader.join(left)  # its output, up to the pipe's end
         if self._reader.is_alive():
             raise subprocess.TimeoutExpired(f"forked rank {self.pid}", timeout or 0)
         return b"".join(self._out).decode(errors="replace"), None
@@ -162,20 +169,37 @@ class Zygote:
             cls._started = cls()
         return cls._started
 
-    def spawn(self, argv: list[str], env: dict[str, str]) -> Forked:
-        read, write = os.pipe()
+    def spawn(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        *,
+        output: int | None = None,
+        stdin: bool = False,
+    ) -> Forked:
+        """Fork a process that runs ``argv`` (a script and its arguments).
+        Its output (stdout and stderr) goes to the file descriptor
+        ``output`` when given (the caller's, left open), else it is
+        collected; with ``stdin``, :attr:`Forked.stdin` writes to its
+        standard input (else it reads /dev/null)."""
+        read, write = os.pipe() if output is None else (None, os.dup(output))
+        ours, theirs = os.pipe()[::-1] if stdin else (None, None)
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.path)
             request = json.dumps({"argv": argv, "env": env, "cwd": str(ROOT)}).encode()
-            socket.send_fds(conn, [request], [write])
+            socket.send_fds(conn, [request], [write] if theirs is None else [write, theirs])
         except BaseException:
             conn.close()
-            os.close(read)
+            for fd in (read, ours):
+                if fd is not None:
+                    os.close(fd)
             raise
         finally:
             os.close(write)
-        return Forked(conn, read)
+            if theirs is not None:
+                os.close(theirs)
+        return Forked(conn, read, ours)
 
     def close(self) -> None:
         if self._proc.poll() is None:
@@ -377,20 +401,26 @@ class ServedJob:
     def __init__(self, world: int, timeout: float = 60.0, **env: str) -> None:
         self.port = free_port()
         self.timeout = timeout
-        self.procs = [
-            subprocess.Popen(
-                [sys.executable, str(RANKS / "serve.py")],
-                env=rank_env(rank, world, self.port, **env),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for rank in range(world)
-        ]
+        # Forks of the Zygote, each with its stdin and its output a pipe.
+        self.procs: list[Forked] = []
+        self._outs: list[Any] = []
         self.addresses: list[str] = []
         self.pids: list[int] = []
         try:
+            for rank in range(world):
+                read, write = os.pipe()
+                try:
+                    self.procs.append(
+                        Zygote.get().spawn(
+                            [str(RANKS / "serve.py")],
+                            rank_env(rank, world, self.port, **env),
+                            output=write,
+                            stdin=True,
+                        )
+                    )
+                finally:
+                    os.close(write)
+                self._outs.append(os.fdopen(read, "r"))
             for rank in range(world):
                 line = self._line(rank)
                 words = line.split()
@@ -400,30 +430,34 @@ class ServedJob:
                 self.addresses.append(words[2])
                 self.pids.append(int(words[3]))
         except BaseException:
-            for proc in self.procs:  # no rank is left waiting for the others
-                proc.kill()
-                proc.wait()
+            self._close_all()  # no rank is left waiting for the others
             raise
+
+    def _close_all(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+        for out in self._outs:
+            out.close()
 
     def _rest(self, rank: int) -> str:
         """What rank ``rank`` writes until it exits (killed after 10 s)."""
         proc = self.procs[rank]
         try:
-            out, _ = proc.communicate(timeout=10)
+            proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
-            out, _ = proc.communicate()
-        return str(out)
+            proc.wait()
+        return str(self._outs[rank].read())
 
     def _line(self, rank: int) -> str:
         import select
 
-        proc = self.procs[rank]
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], self.timeout)
+        proc, out = self.procs[rank], self._outs[rank]
+        ready, _, _ = select.select([out], [], [], self.timeout)
         if not ready:
             raise AssertionError(f"rank {rank} did not answer within {self.timeout}s")
-        line = proc.stdout.readline()
+        line = str(out.readline())
         if not line:
             raise AssertionError(f"rank {rank} exited ({proc.wait()})")
         return line.strip()
@@ -458,6 +492,8 @@ class ServedJob:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for out in self._outs:
+            out.close()
 
 
 def memory_of(pid: int) -> tuple[int, int]:

@@ -17,12 +17,18 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import BinaryIO
 
 import pytest
 
-from .helpers import ROOT
+from .helpers import ROOT, Forked, Zygote
 
 HEARTBEAT_S = 2.0
+
+
+def _fork(argv: list[str], env: dict[str, str], out: BinaryIO) -> Forked:
+    """A chaos rank as a fork of the tests' zygote (torch imported once)."""
+    return Zygote.get().spawn(argv, env, output=out.fileno())
 
 
 def _chaos() -> ModuleType:
@@ -60,7 +66,14 @@ def test_seeded_chaos_a_restart_with_a_kill_and_a_join_then_a_stall_and_a_restar
     ]
     lines: list[str] = []
     run, problems = chaos.run(
-        tmp_path, events, seed=55, nproc=4, steps=260, heartbeat=HEARTBEAT_S, log=lines.append
+        tmp_path,
+        events,
+        seed=55,
+        nproc=4,
+        steps=260,
+        heartbeat=HEARTBEAT_S,
+        log=lines.append,
+        spawn=_fork,
     )
     assert not problems, "\n".join(problems + lines) + "\n" + run.output()
     assert run.coordinators == 3 and len(run.killed) == 1, lines
@@ -85,7 +98,14 @@ def test_a_starved_member_a_kill_and_joins_in_one_epoch_change_lose_nothing(
     events = [chaos.Event("starve_kill_join", delay=0.5, stall=3.0)]
     lines: list[str] = []
     run, problems = chaos.run(
-        tmp_path, events, seed=60, nproc=5, steps=200, heartbeat=HEARTBEAT_S, log=lines.append
+        tmp_path,
+        events,
+        seed=60,
+        nproc=5,
+        steps=200,
+        heartbeat=HEARTBEAT_S,
+        log=lines.append,
+        spawn=_fork,
     )
     assert not problems, "\n".join(problems + lines) + "\n" + run.output()
     assert len(run.killed) == 2 and len(run.procs) == 8, (run.killed, lines)

@@ -9,7 +9,8 @@ a process that forks). The zygote's own threads (one watching its stdin,
 one per child waiting for it to exit) hold no lock a child could need.
 
 Protocol, over a Unix socket: the client sends one JSON request (argv, env,
-cwd) with the write end of the child's output pipe attached (SCM_RIGHTS);
+cwd) with the child's output attached (SCM_RIGHTS: the write end of a pipe,
+or a file), and optionally its standard input (else /dev/null);
 the zygote answers ``<pid>\\n``, and later ``<returncode>\\n`` on the same
 connection when the child exits (negative: the signal that ended it, as
 ``subprocess.Popen.returncode``).
@@ -29,15 +30,16 @@ import threading
 import traceback
 
 
-def _child(request: dict[str, object], out: int) -> None:
+def _child(request: dict[str, object], fds: list[int]) -> None:
     code = 0
     try:
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
+        out = fds[0]
+        stdin = fds[1] if len(fds) > 1 else os.open(os.devnull, os.O_RDONLY)
+        os.dup2(stdin, 0)
         os.dup2(out, 1)
         os.dup2(out, 2)
         os.close(out)
-        os.close(devnull)
+        os.close(stdin)
         os.chdir(str(request["cwd"]))
         env = request["env"]
         assert isinstance(env, dict)
@@ -98,14 +100,15 @@ def serve(path: str) -> None:
     threading.Thread(target=_watch_parent, daemon=True).start()
     while True:
         conn, _ = server.accept()
-        data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 1)
+        data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
         request = json.loads(data)
         pid = os.fork()
         if pid == 0:
             server.close()
             conn.close()
-            _child(request, fds[0])
-        os.close(fds[0])
+            _child(request, fds)
+        for fd in fds:
+            os.close(fd)
         conn.sendall(f"{pid}\n".encode())
         threading.Thread(target=_reap, args=(pid, conn), daemon=True).start()
 
