@@ -208,6 +208,20 @@ class Zygote:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+def spawn_piped(argv: list[str], env: dict[str, str], *, stdin: bool = False) -> tuple[Forked, Any]:
+    """A fork of the :class:`Zygote` running ``argv``, and its output (stdout
+    and stderr) as a text file to read line by line (closed by the caller)."""
+    read, write = os.pipe()
+    try:
+        proc = Zygote.get().spawn(argv, env, output=write, stdin=stdin)
+    except BaseException:
+        os.close(read)
+        raise
+    finally:
+        os.close(write)
+    return proc, os.fdopen(read, "r")
+
+
 def spawn_rank(script: str, *args: str, env: dict[str, str]) -> Forked:
     """Start ``tests/ranks/<script>`` as one rank process, a fork of the
     :class:`Zygote`, its output (stdout and stderr) collected."""
@@ -408,19 +422,11 @@ class ServedJob:
         self.pids: list[int] = []
         try:
             for rank in range(world):
-                read, write = os.pipe()
-                try:
-                    self.procs.append(
-                        Zygote.get().spawn(
-                            [str(RANKS / "serve.py")],
-                            rank_env(rank, world, self.port, **env),
-                            output=write,
-                            stdin=True,
-                        )
-                    )
-                finally:
-                    os.close(write)
-                self._outs.append(os.fdopen(read, "r"))
+                proc, out = spawn_piped(
+                    [str(RANKS / "serve.py")], rank_env(rank, world, self.port, **env), stdin=True
+                )
+                self.procs.append(proc)
+                self._outs.append(out)
             for rank in range(world):
                 line = self._line(rank)
                 words = line.split()

@@ -13,10 +13,9 @@ import re
 import resource
 import secrets
 import signal
-import subprocess
-import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +24,7 @@ import torch
 import ferrogrpc as fg
 from ferrogrpc.samehost import plane as local
 from ferrogrpc.samehost.segment import Segment, Spare
-from tests.helpers import RANKS, async_wait_until, free_port, rank_env
+from tests.helpers import RANKS, Zygote, async_wait_until, free_port, rank_env, spawn_piped
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -65,20 +64,14 @@ def test_segments_are_gone_once_sigkilled_ranks_are() -> None:
     world = 4
     port = free_port()
     shm_files = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(RANKS / "shm_loop.py")],
-            env=rank_env(rank, world, port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+    piped = [
+        spawn_piped([str(RANKS / "shm_loop.py")], rank_env(rank, world, port))
         for rank in range(world)
     ]
+    procs = [proc for proc, _ in piped]
     try:
-        for proc in procs:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
+        for _, out in piped:
+            line = out.readline()
             assert line.startswith("ready") and "shared memory" in line, line
         inodes: set[int] = set()
         for proc in procs:
@@ -93,10 +86,11 @@ def test_segments_are_gone_once_sigkilled_ranks_are() -> None:
         for proc in procs:
             proc.wait(timeout=30)
     finally:
-        for proc in procs:
+        for proc, out in piped:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            out.close()
     # No process maps or holds any of them: the kernel has freed them. And
     # nothing was ever named in /dev/shm for a later job to clean up.
     assert _anyone_holding(inodes) == []
@@ -261,8 +255,9 @@ async def test_a_closed_planes_segment_is_handed_back_and_the_next_plane_takes_i
     await async_wait_until(lambda: _segments("self") - before == set(), 10, "segments released")
 
 
-def test_shm_off_moves_every_byte_over_grpc() -> None:
-    script = (
+def test_shm_off_moves_every_byte_over_grpc(tmp_path: Path) -> None:
+    program = tmp_path / "two_ranks.py"
+    program.write_text(
         "import ferrogrpc as fg, torch\n"
         "b = fg.init_backend()\n"
         "t = torch.ones(1000); b.all_reduce(t)\n"
@@ -273,13 +268,7 @@ def test_shm_off_moves_every_byte_over_grpc() -> None:
     for shm, expected in (("0", "grpc True 0 2.0"), ("1", "shared memory False")):
         port = free_port()
         procs = [
-            subprocess.Popen(
-                [sys.executable, "-c", script],
-                env=rank_env(rank, 2, port, FERROGRPC_SHM=shm),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
+            Zygote.get().spawn([str(program)], rank_env(rank, 2, port, FERROGRPC_SHM=shm))
             for rank in range(2)
         ]
         deadline = time.monotonic() + 60

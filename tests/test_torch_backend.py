@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 import ferrogrpc as fg
-from tests.helpers import RANKS, free_port, rank_env, run_ranks, run_torchrun
+from tests.helpers import free_port, rank_env, run_ranks, run_torchrun, spawn_rank
 
 # PyTorch's own tests (torch.testing._internal.distributed.distributed_test)
 # that exercise a backend's collectives on the CPU without naming gloo or
@@ -142,13 +141,7 @@ def test_a_peer_sigkilled_under_torch_ddp_makes_the_survivor_raise_not_crash(shm
     # with SIGSEGV. It must raise, naming the lost rank, as on gloo.
     port = free_port()
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(RANKS / "torch_ddp_kill.py")],
-            env=rank_env(rank, 2, port, FERROGRPC_SHM=shm),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        spawn_rank("torch_ddp_kill.py", env=rank_env(rank, 2, port, FERROGRPC_SHM=shm))
         for rank in range(2)
     ]
     outs = [p.communicate(timeout=100)[0] for p in procs]
