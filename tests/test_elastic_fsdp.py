@@ -104,6 +104,16 @@ def test_a_rank_killed_before_a_forward_inside_one_and_inside_backward_loses_no_
         run.close()
     assert codes.count(-signal.SIGKILL) == 3 and codes.count(0) == 4, (codes, run.output())
     by_step = check(run, steps)
+    # Each joiner's heap was warmed, while it waited, for what it holds once
+    # admitted (its shards are empty until then: [Note: a warm heap for a
+    # joiner], runtime/allocator.py); the members warmed nothing.
+    for n in range(len(run.procs)):
+        warmed = next(d["warmed"] for d in run.lines(n) if d.get("event") == "start")
+        if n < 4:
+            assert warmed == [], (n, warmed)
+            continue
+        held = next(d["held"] for d in run.lines(n) if "idx" in d)
+        assert len(warmed) == 1 and held <= warmed[0] <= 1.5 * held, (n, warmed, held)
     kills = [d for d in run.lines() if d.get("event") == "kill"]
     for kill in kills:
         after = min(

@@ -227,9 +227,8 @@ class ElasticMembership:
                 self.members_min = max(self.members_min, int(request.min_world_size))
             self.members_max = self.members_max or int(request.max_world_size)
             self.syncs.note_committed(peer, int(request.committed), self.epoch)
-        removed: list[int] = []
-        if self.round is not None and request.epoch + 1 == self.round.epoch:
-            removed = list(self.round.dropped)
+        following = self.round is not None and request.epoch + 1 == self.round.epoch
+        removed = list(self.round.dropped) if self.round is not None and following else []
         admit, spares = self.waiting()
         return rpb.HeartbeatResponse(
             epoch=self.epoch,
@@ -240,6 +239,7 @@ class ElasticMembership:
             # (Spares too: members connect to them ahead, as to joiners.)
             joiner_addresses=[entry.address for entry in self.joiners.values()],
             spare=peer in spares,
+            world_size=len(self.members),
         )
 
     def _leave(self, peer: str) -> rpb.HeartbeatResponse:

@@ -230,12 +230,23 @@ class ElasticState:
             # parameter byte: its gradient, DDP's two buckets (the second is
             # filled by the second step), the optimizer's, and one more for
             # what the transfer passes through meanwhile (gRPC's buffers).
+            # An FSDP's shards are empty until then: they are sized for the
+            # world the last heartbeat foretold (its members, the joiners
+            # waiting, and this process).
+            moments = [_moments_per_parameter(g, optimizer) for g in optimizer.param_groups]
+            heard = backend._client.latest
+            world = heard.world_size + heard.joiners_waiting + 1 if heard is not None else 0
             warm_heap(
                 sum(
-                    p.numel() * p.element_size() * (4 + _moments_per_parameter(group, optimizer))
-                    for group in optimizer.param_groups
+                    p.numel() * p.element_size() * (4 + n)
+                    for group, n in zip(optimizer.param_groups, moments, strict=True)
                     for p in group["params"]
                     if p.device.type == "cpu"
+                )
+                + sum(
+                    r.held_bytes(world, max(moments, default=0))
+                    for r in backend.resharders
+                    if world > 1
                 )
             )
         optimizer.register_step_pre_hook(self._before_optimizer_step)

@@ -74,6 +74,15 @@ waited; warmed, its first step faults none of it, its second 1-3k pages.
 The price of the raised trim threshold: a joiner's heap keeps what the
 transfer's buffers used (about a gradient's worth) free between steps,
 where glibc's default would hand it back.
+
+An FSDP joiner's shards are empty until it is admitted, so ElasticState
+warms for the shards it will hold (``ElasticShards.held_bytes``: shard and
+copy with their optimizer state, and both gradients) at the world size the
+last heartbeat foretold (its members, the joiners waiting, and itself).
+Measured on a 25M-parameter model, 3 -> 4 ranks: the joiner's page faults
+in its re-shard fell from 77k to 0.3-2.7k, and its CPU in it from 0.27 s
+to 0.19-0.21 s. Its receipt was not faster on 2 cores: there the members'
+sends and their own new planes hold the CPU.
 """
 
 from __future__ import annotations

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66\x65rrogrpc/v1/rendezvous.proto\x12\x0c\x66\x65rrogrpc.v1\"d\n\x0bJoinRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0erequested_rank\x18\x02 \x01(\x05\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\r\n\x05nonce\x18\x04 \x01(\t\x12\x0c\n\x04host\x18\x05 \x01(\t\"r\n\x0cJoinResponse\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x11\n\taddresses\x18\x03 \x03(\t\x12\x0e\n\x06run_id\x18\x04 \x01(\t\x12\x0e\n\x06nonces\x18\x05 \x03(\t\x12\r\n\x05hosts\x18\x06 \x03(\t\"\x87\x02\n\x10HeartbeatRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x12\n\ncollective\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x0f\n\x07leaving\x18\x05 \x01(\x08\x12\x0f\n\x07peer_id\x18\x06 \x01(\t\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x12\n\nworld_size\x18\x08 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\t \x01(\t\x12\r\n\x05nonce\x18\n \x01(\t\x12\x0c\n\x04host\x18\x0b \x01(\t\x12\x16\n\x0emin_world_size\x18\x0c \x01(\r\x12\x11\n\tcommitted\x18\r \x01(\x04\x12\x16\n\x0emax_world_size\x18\x0e \x01(\r\"\x9e\x01\n\x11HeartbeatResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x17\n\x0frecover_pending\x18\x02 \x01(\x08\x12\x17\n\x0fjoiners_waiting\x18\x03 \x01(\r\x12\x0e\n\x06member\x18\x04 \x01(\x08\x12\x0f\n\x07removed\x18\x05 \x03(\r\x12\x18\n\x10joiner_addresses\x18\x06 \x03(\t\x12\r\n\x05spare\x18\x07 \x01(\x08\"\xc5\x01\n\x0c\x45nterRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12)\n\x06reason\x18\x06 \x01(\x0e\x32\x19.ferrogrpc.v1.EnterReason\x12\x0c\n\x04lost\x18\x07 \x03(\r\x12\x16\n\x0emin_world_size\x18\x08 \x01(\r\x12\x16\n\x0emax_world_size\x18\t \x01(\r\"\x97\x01\n\rEnterResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x11\n\taddresses\x18\x04 \x03(\t\x12\x0e\n\x06nonces\x18\x05 \x03(\t\x12\r\n\x05hosts\x18\x06 \x03(\t\x12\x13\n\x0bjoined_from\x18\x07 \x01(\r\x12\x0e\n\x06run_id\x18\x08 \x01(\t\"\x0f\n\rStatusRequest\"`\n\x06Member\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0elast_heartbeat\x18\x03 \x01(\x01\x12\x12\n\ncollective\x18\x04 \x01(\t\x12\x0b\n\x03seq\x18\x05 \x01(\x04\"\x84\x02\n\x0eStatusResponse\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\x0e\n\x06joined\x18\x02 \x01(\r\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12%\n\x07members\x18\x04 \x03(\x0b\x32\x14.ferrogrpc.v1.Member\x12\x14\n\x0cmetrics_port\x18\x05 \x01(\r\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12%\n\x07joiners\x18\x07 \x03(\x0b\x32\x14.ferrogrpc.v1.Member\x12\r\n\x05\x65nded\x18\x08 \x01(\t\x12$\n\x06spares\x18\t \x03(\x0b\x32\x14.ferrogrpc.v1.Member\x12\x16\n\x0emax_world_size\x18\n \x01(\r\":\n\rCommitRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\t\n\x01n\x18\x03 \x01(\x04\" \n\x0e\x43ommitResponse\x12\x0e\n\x06\x63ommit\x18\x01 \x01(\x08*@\n\x0b\x45nterReason\x12\x0e\n\nENTER_JOIN\x10\x00\x12\x0e\n\nENTER_GROW\x10\x01\x12\x11\n\rENTER_RECOVER\x10\x02\x32\xe5\x02\n\nRendezvous\x12=\n\x04Join\x12\x19.ferrogrpc.v1.JoinRequest\x1a\x1a.ferrogrpc.v1.JoinResponse\x12@\n\x05\x45nter\x12\x1a.ferrogrpc.v1.EnterRequest\x1a\x1b.ferrogrpc.v1.EnterResponse\x12\x43\n\x06\x43ommit\x12\x1b.ferrogrpc.v1.CommitRequest\x1a\x1c.ferrogrpc.v1.CommitResponse\x12L\n\tHeartbeat\x12\x1e.ferrogrpc.v1.HeartbeatRequest\x1a\x1f.ferrogrpc.v1.HeartbeatResponse\x12\x43\n\x06Status\x12\x1b.ferrogrpc.v1.StatusRequest\x1a\x1c.ferrogrpc.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x66\x65rrogrpc/v1/rendezvous.proto\x12\x0c\x66\x65rrogrpc.v1\"d\n\x0bJoinRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x16\n\x0erequested_rank\x18\x02 \x01(\x05\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\r\n\x05nonce\x18\x04 \x01(\t\x12\x0c\n\x04host\x18\x05 \x01(\t\"r\n\x0cJoinResponse\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x11\n\taddresses\x18\x03 \x03(\t\x12\x0e\n\x06run_id\x18\x04 \x01(\t\x12\x0e\n\x06nonces\x18\x05 \x03(\t\x12\r\n\x05hosts\x18\x06 \x03(\t\"\x87\x02\n\x10HeartbeatRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x12\n\ncollective\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x0f\n\x07leaving\x18\x05 \x01(\x08\x12\x0f\n\x07peer_id\x18\x06 \x01(\t\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x12\n\nworld_size\x18\x08 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\t \x01(\t\x12\r\n\x05nonce\x18\n \x01(\t\x12\x0c\n\x04host\x18\x0b \x01(\t\x12\x16\n\x0emin_world_size\x18\x0c \x01(\r\x12\x11\n\tcommitted\x18\r \x01(\x04\x12\x16\n\x0emax_world_size\x18\x0e \x01(\r\"\xb2\x01\n\x11HeartbeatResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x17\n\x0frecover_pending\x18\x02 \x01(\x08\x12\x17\n\x0fjoiners_waiting\x18\x03 \x01(\r\x12\x0e\n\x06member\x18\x04 \x01(\x08\x12\x0f\n\x07removed\x18\x05 \x03(\r\x12\x18\n\x10joiner_addresses\x18\x06 \x03(\t\x12\r\n\x05spare\x18\x07 \x01(\x08\x12\x12\n\nworld_size\x18\x08 \x01(\r\"\xc5\x01\n\x0c\x45nterRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12)\n\x06reason\x18\x06 \x01(\x0e\x32\x19.ferrogrpc.v1.EnterReason\x12\x0c\n\x04lost\x18\x07 \x03(\r\x12\x16\n\x0emin_world_size\x18\x08 \x01(\r\x12\x16\n\x0emax_world_size\x18\t \x01(\r\"\x97\x01\n\rEnterResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x11\n\taddresses\x18\x04 \x03(\t\x12\x0e\n\x06nonces\x18\x05 \x03(\t\x12\r\n\x05hosts\x18\x06 \x03(\t\x12\x13\n\x0bjoined_from\x18\x07 \x01(\r\x12\x0e\n\x06run_id\x18\x08 \x01(\t\"\x0f\n\rStatusRequest\"`\n\x06Member\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0elast_heartbeat\x18\x03 \x01(\x01\x12\x12\n\ncollective\x18\x04 \x01(\t\x12\x0b\n\x03seq\x18\x05 \x01(\x04\"\x84\x02\n\x0eStatusResponse\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\x0e\n\x06joined\x18\x02 \x01(\r\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12%\n\x07members\x18\x04 \x03(\x0b\x32\x14.ferrogrpc.v1.Member\x12\x14\n\x0cmetrics_port\x18\x05 \x01(\r\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12%\n\x07joiners\x18\x07 \x03(\x0b\x32\x14.ferrogrpc.v1.Member\x12\r\n\x05\x65nded\x18\x08 \x01(\t\x12$\n\x06spares\x18\t \x03(\x0b\x32\x14.ferrogrpc.v1.Member\x12\x16\n\x0emax_world_size\x18\n \x01(\r\":\n\rCommitRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\t\n\x01n\x18\x03 \x01(\x04\" \n\x0e\x43ommitResponse\x12\x0e\n\x06\x63ommit\x18\x01 \x01(\x08*@\n\x0b\x45nterReason\x12\x0e\n\nENTER_JOIN\x10\x00\x12\x0e\n\nENTER_GROW\x10\x01\x12\x11\n\rENTER_RECOVER\x10\x02\x32\xe5\x02\n\nRendezvous\x12=\n\x04Join\x12\x19.ferrogrpc.v1.JoinRequest\x1a\x1a.ferrogrpc.v1.JoinResponse\x12@\n\x05\x45nter\x12\x1a.ferrogrpc.v1.EnterRequest\x1a\x1b.ferrogrpc.v1.EnterResponse\x12\x43\n\x06\x43ommit\x12\x1b.ferrogrpc.v1.CommitRequest\x1a\x1c.ferrogrpc.v1.CommitResponse\x12L\n\tHeartbeat\x12\x1e.ferrogrpc.v1.HeartbeatRequest\x1a\x1f.ferrogrpc.v1.HeartbeatResponse\x12\x43\n\x06Status\x12\x1b.ferrogrpc.v1.StatusRequest\x1a\x1c.ferrogrpc.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ferrogrpc.v1.rendezvous_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENTERREASON']._serialized_start=1518
-  _globals['_ENTERREASON']._serialized_end=1582
+  _globals['_ENTERREASON']._serialized_start=1538
+  _globals['_ENTERREASON']._serialized_end=1602
   _globals['_JOINREQUEST']._serialized_start=47
   _globals['_JOINREQUEST']._serialized_end=147
   _globals['_JOINRESPONSE']._serialized_start=149
@@ -41,21 +41,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREQUEST']._serialized_start=266
   _globals['_HEARTBEATREQUEST']._serialized_end=529
   _globals['_HEARTBEATRESPONSE']._serialized_start=532
-  _globals['_HEARTBEATRESPONSE']._serialized_end=690
-  _globals['_ENTERREQUEST']._serialized_start=693
-  _globals['_ENTERREQUEST']._serialized_end=890
-  _globals['_ENTERRESPONSE']._serialized_start=893
-  _globals['_ENTERRESPONSE']._serialized_end=1044
-  _globals['_STATUSREQUEST']._serialized_start=1046
-  _globals['_STATUSREQUEST']._serialized_end=1061
-  _globals['_MEMBER']._serialized_start=1063
-  _globals['_MEMBER']._serialized_end=1159
-  _globals['_STATUSRESPONSE']._serialized_start=1162
-  _globals['_STATUSRESPONSE']._serialized_end=1422
-  _globals['_COMMITREQUEST']._serialized_start=1424
-  _globals['_COMMITREQUEST']._serialized_end=1482
-  _globals['_COMMITRESPONSE']._serialized_start=1484
-  _globals['_COMMITRESPONSE']._serialized_end=1516
-  _globals['_RENDEZVOUS']._serialized_start=1585
-  _globals['_RENDEZVOUS']._serialized_end=1942
+  _globals['_HEARTBEATRESPONSE']._serialized_end=710
+  _globals['_ENTERREQUEST']._serialized_start=713
+  _globals['_ENTERREQUEST']._serialized_end=910
+  _globals['_ENTERRESPONSE']._serialized_start=913
+  _globals['_ENTERRESPONSE']._serialized_end=1064
+  _globals['_STATUSREQUEST']._serialized_start=1066
+  _globals['_STATUSREQUEST']._serialized_end=1081
+  _globals['_MEMBER']._serialized_start=1083
+  _globals['_MEMBER']._serialized_end=1179
+  _globals['_STATUSRESPONSE']._serialized_start=1182
+  _globals['_STATUSRESPONSE']._serialized_end=1442
+  _globals['_COMMITREQUEST']._serialized_start=1444
+  _globals['_COMMITREQUEST']._serialized_end=1502
+  _globals['_COMMITRESPONSE']._serialized_start=1504
+  _globals['_COMMITRESPONSE']._serialized_end=1536
+  _globals['_RENDEZVOUS']._serialized_start=1605
+  _globals['_RENDEZVOUS']._serialized_end=1962
 # @@protoc_insertion_point(module_scope)

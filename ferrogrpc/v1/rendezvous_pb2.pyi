@@ -80,7 +80,7 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., run_id: _Optional[str] = ..., collective: _Optional[str] = ..., seq: _Optional[int] = ..., leaving: _Optional[bool] = ..., peer_id: _Optional[str] = ..., epoch: _Optional[int] = ..., world_size: _Optional[int] = ..., address: _Optional[str] = ..., nonce: _Optional[str] = ..., host: _Optional[str] = ..., min_world_size: _Optional[int] = ..., committed: _Optional[int] = ..., max_world_size: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("epoch", "recover_pending", "joiners_waiting", "member", "removed", "joiner_addresses", "spare")
+    __slots__ = ("epoch", "recover_pending", "joiners_waiting", "member", "removed", "joiner_addresses", "spare", "world_size")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RECOVER_PENDING_FIELD_NUMBER: _ClassVar[int]
     JOINERS_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class HeartbeatResponse(_message.Message):
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     JOINER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     SPARE_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     recover_pending: bool
     joiners_waiting: int
@@ -95,7 +96,8 @@ class HeartbeatResponse(_message.Message):
     removed: _containers.RepeatedScalarFieldContainer[int]
     joiner_addresses: _containers.RepeatedScalarFieldContainer[str]
     spare: bool
-    def __init__(self, epoch: _Optional[int] = ..., recover_pending: _Optional[bool] = ..., joiners_waiting: _Optional[int] = ..., member: _Optional[bool] = ..., removed: _Optional[_Iterable[int]] = ..., joiner_addresses: _Optional[_Iterable[str]] = ..., spare: _Optional[bool] = ...) -> None: ...
+    world_size: int
+    def __init__(self, epoch: _Optional[int] = ..., recover_pending: _Optional[bool] = ..., joiners_waiting: _Optional[int] = ..., member: _Optional[bool] = ..., removed: _Optional[_Iterable[int]] = ..., joiner_addresses: _Optional[_Iterable[str]] = ..., spare: _Optional[bool] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class EnterRequest(_message.Message):
     __slots__ = ("peer_id", "address", "nonce", "host", "epoch", "reason", "lost", "min_world_size", "max_world_size")

@@ -95,6 +95,14 @@ class ElasticShards:
         move here), with their optimizer state."""
         return [e.shard for e in self._entries]
 
+    def held_bytes(self, world: int, moments: int) -> int:
+        """What this rank allocates for the shards in a group of ``world``:
+        its shard and the copy it keeps, each with ``moments`` optimizer
+        tensors of its shape, and the two gradients (a joiner warms its heap
+        for them: [Note: a warm heap for a joiner], runtime/allocator.py)."""
+        shards = sum(-(-e.numel // world) * e.shard.element_size() for e in self._entries)
+        return shards * (2 * (1 + moments) + 2)
+
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer that trains the shards (ElasticState's): its step
         also steps the copies ([Note: shards held twice])."""

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 import ferrogrpc as fg
+from ferrogrpc.elastic import state as elastic_state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from elastic_train import BATCH, _take, data, lr_at, model
@@ -40,14 +41,28 @@ def _digest(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
+def _bytes(tensors: list[Any]) -> int:
+    return sum(
+        t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor) and t.dim()
+    )
+
+
 def main() -> None:
     out_dir = os.environ["OUT_DIR"]
     backend = fg.init_backend(elastic=True, min_world_size=int(os.environ.get("MIN_WORLD", "2")))
     net = model().double()
     fsdp = fg.FSDP(net, backend, units={nn.Linear})
     opt = torch.optim.Adam(fsdp.parameters(), lr=1e-2)
+    # What ElasticState warms a joiner's heap for (allocator.warm_heap).
+    warmed: list[int] = []
+    warm = elastic_state.warm_heap
+    elastic_state.warm_heap = lambda n: warmed.append(n) or warm(n)  # type: ignore[assignment]
     state = fg.ElasticState(fsdp, opt, extra={"tag": "elastic-fsdp"})
-    print(json.dumps({"event": "start", "pid": os.getpid(), "t": time.time()}), flush=True)
+    elastic_state.warm_heap = warm
+    print(
+        json.dumps({"event": "start", "pid": os.getpid(), "warmed": warmed, "t": time.time()}),
+        flush=True,
+    )
     try:
         run(backend, fsdp, net, opt, state)
     except fg.FerroGrpcError as exc:
@@ -127,6 +142,19 @@ def run(backend: Any, fsdp: Any, net: nn.Module, opt: Any, state: Any) -> None:
             "copy_of": shards.layout.copy_of(shards.rank),
             # The gradient shards' buffers: one, laid out as the hand-over
             # to the buddy sends it (nothing copied together there).
+            # What it holds for its shards (a joiner's heap was warmed for
+            # it): shard and copy, Adam's two moments each, the gradient,
+            # and the copy's gradient while it lives (the size of a copy).
+            "held": _bytes(
+                [
+                    *fsdp.parameters(),
+                    *(t for p in fsdp.parameters() for t in opt.state.get(p, {}).values()),
+                    *shards.copies,
+                    *(t for st in shards.copy_state for t in st.values()),
+                    *(p.grad for p in fsdp.parameters() if p.grad is not None),
+                    *shards.copies,
+                ]
+            ),
             "grad_buffers": len(
                 {
                     p.grad.untyped_storage().data_ptr()
