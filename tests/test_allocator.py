@@ -103,10 +103,12 @@ def step():
     opt.step()
 for _ in range(15):  # (the bucket's two buffers, and the heap, settle)
     step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+faults = []
 for _ in range(10):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
-print("faults per step", (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 10)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print("faults per step", sorted(faults)[len(faults) // 2], faults)
 backend.close()
 """
 
@@ -116,7 +118,11 @@ def test_a_ddp_steps_gradients_stay_warm(tmp_path: Any) -> None:
     # Every backward allocates the 64 MiB gradient afresh. With the tuning
     # off (glibc's defaults), it is mapped and faulted in page by page each
     # step (16384 pages); a DDP with the tuning keeps it in the heap (once
-    # the heap has settled: a few early steps may still grow it).
+    # the heap has settled: a few early steps may still grow it). The median
+    # step, not the mean: now and then the heap still grows by a whole
+    # gradient while holding ~250 MiB free in pieces (seen in 1 of 6 runs
+    # of 25 steps alone, and 3 steps of 10 once in the suite; see
+    # runtime/allocator.py).
     import subprocess
     import sys
 
@@ -124,7 +130,7 @@ def test_a_ddp_steps_gradients_stay_warm(tmp_path: Any) -> None:
 
     script = tmp_path / "faults.py"
     script.write_text(_DDP_FAULTS)
-    faults = {}
+    faults, seen = {}, {}
     for tuning in ("1", "0"):
         env = {
             "PATH": "/usr/bin:/bin",
@@ -140,10 +146,11 @@ def test_a_ddp_steps_gradients_stay_warm(tmp_path: Any) -> None:
             timeout=80,
         )
         assert out.returncode == 0, out.stderr
-        faults[tuning] = int(out.stdout.split("faults per step")[1])
+        faults[tuning] = int(out.stdout.split("faults per step")[1].split()[0])
+        seen[tuning] = out.stdout.strip()
     pages = (64 << 20) // 4096
-    assert faults["0"] >= 0.9 * pages, faults  # the reference: glibc's defaults
-    assert faults["1"] < 0.25 * pages, faults
+    assert faults["0"] >= 0.9 * pages, seen  # the reference: glibc's defaults
+    assert faults["1"] < 0.25 * pages, seen
 
 
 _WARM_FAULTS = """
