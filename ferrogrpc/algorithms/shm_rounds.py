@@ -52,12 +52,15 @@ Partition = list[list[Range]]  # by local index: the ranges that index owns
 # that begins the collective (one socket write); a larger one through the
 # slots.
 INLINE_BYTES = 64 << 10
-# What an all_to_all writes into a slot per round: the segments' pages it
-# touches stay resident in every process that maps them. Elastic FSDP's
-# hand-over (25 MB to the buddy, 4 ranks) through whole 16 MiB slots held
-# 104-110 MiB of segment pages per process against 20 MiB for fixed FSDP's
-# collectives; in 4 MiB rounds 64-72 MiB, and its peak RSS over fixed FSDP's
-# fell from 125-189 MiB to 95-132 MiB, the step no slower (four pairs each).
+# The most of one piece an all_to_all writes into a slot per round: the
+# segments' pages it touches stay resident in every process that maps them.
+# Elastic FSDP's hand-over (one 25 MB piece to the buddy, 4 ranks) through
+# whole 16 MiB slots held 104-110 MiB of segment pages per process against
+# 20 MiB for fixed FSDP's collectives; in 4 MiB rounds 64-72 MiB, and its
+# peak RSS over fixed FSDP's fell from 125-189 MiB to 95-132 MiB, the step
+# no slower (four pairs each). Several large pieces still share a whole
+# slot (4 MiB to each of 3 peers: one round, 13.7-15.2 ms; a 4 MiB slot in
+# all took 3 rounds, 18.8-20.2 ms).
 A2A_ROUND_BYTES = 4 << 20
 
 
@@ -357,8 +360,10 @@ class LocalGroup:
                     self.stats.local(rank, got * item)
         # Each sender's large pieces, and the elements of each per round.
         large = {s: [d for d, n in enumerate(r) if d != s and n > inline] for s, r in rows.items()}
-        window = min(plane.slot_bytes, A2A_ROUND_BYTES)
-        per = {s: max(1, window // item // max(1, len(d))) for s, d in large.items()}
+        per = {
+            s: max(1, min(plane.slot_bytes // max(1, len(d)), A2A_ROUND_BYTES) // item)
+            for s, d in large.items()
+        }
         rounds = max((-(-rows[s][d] // per[s]) for s, ds in large.items() for d in ds), default=0)
         senders = [s for s in self.peers if me in large[s]]
         self.mid_round = True
