@@ -11,9 +11,9 @@ process saves its parameters and optimizer state to OUT_DIR.
 Environment:
   STEPS: the steps to run; WORLD: the full group size (while the group is
   smaller, each step sleeps SLOW seconds, so that a joiner finds it running;
-  otherwise PACE seconds, default 0). HOLD_FILE: after each step, wait
-  while this file exists (a joiner then waits for the next boundary as long
-  as the test needs).
+  otherwise PACE seconds, default 0). HOLD_FILE: after each step (and its
+  sleep), wait while this file exists (a joiner then waits for the next
+  boundary as long as the test needs).
   KILL_STEP, KILL_RANK, KILL_AT: rank KILL_RANK SIGKILLs itself at step
   KILL_STEP, ``before`` its forward or ``backward``, halfway through
   backward with the first buckets in flight.
@@ -298,12 +298,14 @@ def run(backend: Any, ddp: Any, net: Any, opt: Any, state: Any, pad_mb: int) -> 
         state.extra = {"tag": "elastic-test", "last": step}
         if step == boundary_step and backend.rank == boundary_rank:
             _BOUNDARY["armed"] = True  # the next boundary's flag: see _boundary_hook
-        while hold and os.path.exists(hold):
-            time.sleep(0.05)
         if backend.world_size < world:
             time.sleep(slow)
         elif pace:
             time.sleep(pace)
+        # (Last, just before the next boundary: a file made during the
+        # sleep holds it too; a fast joiner was once admitted past it.)
+        while hold and os.path.exists(hold):
+            time.sleep(0.05)
 
 
 if __name__ == "__main__":
