@@ -88,14 +88,14 @@ class Forked:
         self._out: list[bytes] = []
         # Its output is collected here unless it goes somewhere of the
         # caller's (``out`` None).
-        self._reader = threading.Thread(target=self._read, args=(out,), daemon=True)
+        self._reader: threading.Thread | None = None
         if out is not None:
+            self._reader = threading.Thread(target=self._read, args=(out,), daemon=True)
             self._reader.start()
         self._exit = threading.Thread(target=self._wait_exit, daemon=True)
         self._exit.start()
 
-    def _read(self, fd: int | None) -> None:
-        assert fd is not None
+    def _read(self, fd: int) -> None:
         with os.fdopen(fd, "rb") as pipe:
             while chunk := pipe.read1(1 << 16):
                 self._out.append(chunk)
@@ -131,9 +131,9 @@ class Forked:
         deadline = None if timeout is None else time.monotonic() + timeout
         self.wait(timeout)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if self._reader.ident is not None:
+        if self._reader is not None:
             self._reader.join(left)  # its output, up to the pipe's end
-        if self._reader.is_alive():
+        if self._reader is not None and self._reader.is_alive():
             raise subprocess.TimeoutExpired(f"forked rank {self.pid}", timeout or 0)
         return b"".join(self._out).decode(errors="replace"), None
 
@@ -436,15 +436,12 @@ class ServedJob:
                 self.addresses.append(words[2])
                 self.pids.append(int(words[3]))
         except BaseException:
-            self._close_all()  # no rank is left waiting for the others
+            for proc in self.procs:  # no rank is left waiting for the others
+                proc.kill()
+                proc.wait()
+            for out in self._outs:
+                out.close()
             raise
-
-    def _close_all(self) -> None:
-        for proc in self.procs:
-            proc.kill()
-            proc.wait()
-        for out in self._outs:
-            out.close()
 
     def _rest(self, rank: int) -> str:
         """What rank ``rank`` writes until it exits (killed after 10 s)."""

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import pytest
 
@@ -29,6 +29,26 @@ HEARTBEAT_S = 2.0
 def _fork(argv: list[str], env: dict[str, str], out: BinaryIO) -> Forked:
     """A chaos rank as a fork of the tests' zygote (torch imported once)."""
     return Zygote.get().spawn(argv, env, output=out.fileno())
+
+
+def _run_chaos(
+    tmp_path: Path, events: list[Any], *, seed: int, nproc: int, steps: int
+) -> tuple[Any, list[str]]:
+    """The chaos harness's run of ``events`` with forked ranks, and its log;
+    fails the test on any violation, with the log and the processes' output."""
+    lines: list[str] = []
+    run, problems = _chaos().run(
+        tmp_path,
+        events,
+        seed=seed,
+        nproc=nproc,
+        steps=steps,
+        heartbeat=HEARTBEAT_S,
+        log=lines.append,
+        spawn=_fork,
+    )
+    assert not problems, "\n".join(problems + lines) + "\n" + run.output()
+    return run, lines
 
 
 def _chaos() -> ModuleType:
@@ -64,18 +84,7 @@ def test_seeded_chaos_a_restart_with_a_kill_and_a_join_then_a_stall_and_a_restar
         chaos.Event("restart", delay=0.5, outage=3.0),
         chaos.Event("join", delay=0.5),
     ]
-    lines: list[str] = []
-    run, problems = chaos.run(
-        tmp_path,
-        events,
-        seed=55,
-        nproc=4,
-        steps=260,
-        heartbeat=HEARTBEAT_S,
-        log=lines.append,
-        spawn=_fork,
-    )
-    assert not problems, "\n".join(problems + lines) + "\n" + run.output()
+    run, lines = _run_chaos(tmp_path, events, seed=55, nproc=4, steps=260)
     assert run.coordinators == 3 and len(run.killed) == 1, lines
     # Nothing but the adopted group: no coordinator formed a first epoch
     # after its restart.
@@ -96,18 +105,7 @@ def test_a_starved_member_a_kill_and_joins_in_one_epoch_change_lose_nothing(
     # on a RendezvousError from the next epoch's shared-memory set-up.
     chaos = _chaos()
     events = [chaos.Event("starve_kill_join", delay=0.5, stall=3.0)]
-    lines: list[str] = []
-    run, problems = chaos.run(
-        tmp_path,
-        events,
-        seed=60,
-        nproc=5,
-        steps=200,
-        heartbeat=HEARTBEAT_S,
-        log=lines.append,
-        spawn=_fork,
-    )
-    assert not problems, "\n".join(problems + lines) + "\n" + run.output()
+    run, lines = _run_chaos(tmp_path, events, seed=60, nproc=5, steps=200)
     assert len(run.killed) == 2 and len(run.procs) == 8, (run.killed, lines)
     # The last steps had the starved member, the two other survivors and
     # the three joiners: six.

@@ -227,8 +227,8 @@ class ElasticMembership:
                 self.members_min = max(self.members_min, int(request.min_world_size))
             self.members_max = self.members_max or int(request.max_world_size)
             self.syncs.note_committed(peer, int(request.committed), self.epoch)
-        following = self.round is not None and request.epoch + 1 == self.round.epoch
-        removed = list(self.round.dropped) if self.round is not None and following else []
+        r = self.round
+        removed = list(r.dropped) if r is not None and request.epoch + 1 == r.epoch else []
         admit, spares = self.waiting()
         return rpb.HeartbeatResponse(
             epoch=self.epoch,

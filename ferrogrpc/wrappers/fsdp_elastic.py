@@ -100,7 +100,8 @@ class ElasticShards:
         its shard and the copy it keeps, each with ``moments`` optimizer
         tensors of its shape, and the two gradients (a joiner warms its heap
         for them: [Note: a warm heap for a joiner], runtime/allocator.py)."""
-        shards = sum(-(-e.numel // world) * e.shard.element_size() for e in self._entries)
+        layout = Layout(0, world, ())
+        shards = sum(layout.shard_numel(e.numel) * e.shard.element_size() for e in self._entries)
         return shards * (2 * (1 + moments) + 2)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
