@@ -212,12 +212,14 @@ def test_faulthandler_never_dumps_in_a_green_run() -> None:
 
 
 # A rank of an env:// job: init_backend, then one JSON line with how long it
-# took and what it raised. torch is imported first: its import is no part
-# of the rendezvous.
+# took and what it raised. torch, and the modules ferrogrpc imports lazily
+# in init_backend, are imported first: their import is no part of the
+# rendezvous (under the suite's load it once took 2.6 s past the timeout).
 RENDEZVOUS_RANK = """
 import json, time
 import torch, torch.distributed
 import ferrogrpc as fg
+import ferrogrpc.control.rendezvous, ferrogrpc.runtime.backend, ferrogrpc.runtime.peer
 start = time.monotonic()
 try:
     fg.init_backend().close()
