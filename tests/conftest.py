@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import faulthandler
 from collections.abc import Callable
+from typing import Any
 
 import hypothesis  # noqa: F401
 import pytest
@@ -57,7 +58,24 @@ SYSTEM_FILES = {
 }
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.path.name in SYSTEM_FILES:
-            item.add_marker(pytest.mark.xdist_group("system"))
+def system_test(nodeid: str) -> bool:
+    return nodeid.split("::", 1)[0].rsplit("/", 1)[-1] in SYSTEM_FILES
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """--dist loadgroup with the SYSTEM_FILES' tests as one group, "system".
+
+    The group is chosen here, by file, rather than with an xdist_group
+    marker: pytest-xdist 3.8 names a marked test's group by rewriting its
+    node id (``item._nodeid``), which pytest 9.2's structured node ids no
+    longer read, so under pytest 9.2 the marker was silently ignored and the
+    system tests ran on every worker at once."""
+    from xdist.scheduler import LoadGroupScheduling
+
+    class SystemGroup(LoadGroupScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return "system" if system_test(nodeid) else str(super()._split_scope(nodeid))
+
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    return SystemGroup(config, log)

@@ -707,7 +707,7 @@ def test_elastic_compose_survives_a_docker_kill_and_a_scaled_up_replica_joins(
         "FERROGRPC_WORLD_SIZE": str(RANKS),
         "FERROGRPC_STEPS": str(steps),
         "FERROGRPC_STEP_SLEEP": "0.05",
-        # 5 s, not the default 2 s: with the suite's two workers, six
+        # 5 s, not the default 2 s: with the suite's three workers, six
         # containers and another test's ranks share 2 cores, and once a
         # replica starved past 2 s during start-up was removed (a false
         # removal this test does not look for); its re-join then livelocked
