@@ -114,6 +114,7 @@ class Chaos:
             "SLOW": str(pace),
             "PACE": str(pace),
             "MIN_WORLD": str(min_world),
+            "END_FILE": str(tmp / "end-step"),
         }
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.coordinators = 0
@@ -327,6 +328,28 @@ class Chaos:
             with _Quiet():
                 os.kill(self.procs[starved].pid, signal.SIGCONT)
 
+    def end_soon(self, ahead: int = 8) -> None:
+        """Once every process not killed trains (no joiner waits), end the
+        run ``ahead`` steps on instead of at ``steps``: the steps after the
+        last event add nothing to the check. Every member reads the end
+        after each step (elastic_train.py's END_FILE), and none is more
+        than a step past the last one printed, so all end at the same
+        step. If a process still waits after the hang limit, the run goes
+        to ``steps``."""
+        deadline = time.monotonic() + self.hang
+        while time.monotonic() < deadline:
+            alive = {n for n, p in enumerate(self.procs) if p.poll() is None}
+            if alive and alive <= set(self.members()):
+                end = self.progress() + ahead
+                if end < self.steps:
+                    tmp = self.tmp / "end-step.tmp"
+                    tmp.write_text(str(end))
+                    os.replace(tmp, self.tmp / "end-step")
+                    self.steps = end
+                    self.log(f"[chaos] the run ends after step {end - 1}")
+                return
+            time.sleep(0.1)
+
     def finish(self) -> list[int | None]:
         """Wait for every process to end (a hang is a problem)."""
         last, last_change = -1, time.monotonic()
@@ -453,7 +476,8 @@ def run(
 ) -> tuple[Chaos, list[str]]:
     """Start a group, wait for its first steps, apply ``events`` in order
     (each after its delay, once the group made progress since the last),
-    let it finish, and check. Returns the run and its violations. ``spawn``:
+    end the run a few steps after the last (:meth:`Chaos.end_soon`), and
+    check. Returns the run and its violations. ``spawn``:
     as :class:`Chaos`'s."""
     rng = random.Random(seed)
     chaos = Chaos(
@@ -473,6 +497,8 @@ def run(
                 chaos.apply(event, rng)
                 if not chaos.wait_progress(event.kind):
                     break
+            else:
+                chaos.end_soon()
         codes = chaos.finish()
     finally:
         chaos.close()

@@ -109,7 +109,7 @@ def test_a_starved_member_a_kill_and_joins_in_one_epoch_change_lose_nothing(
     assert len(run.killed) == 2 and len(run.procs) == 8, (run.killed, lines)
     # The last steps had the starved member, the two other survivors and
     # the three joiners: six.
-    last = [d for d in run.lines() if d.get("step") == 199 and "idx" in d]
+    last = [d for d in run.lines() if d.get("step") == run.steps - 1 and "idx" in d]
     assert len(last) == 6, last
 
 

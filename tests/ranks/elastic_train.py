@@ -13,7 +13,10 @@ Environment:
   smaller, each step sleeps SLOW seconds, so that a joiner finds it running;
   otherwise PACE seconds, default 0). HOLD_FILE: after each step (and its
   sleep), wait while this file exists (a joiner then waits for the next
-  boundary as long as the test needs).
+  boundary as long as the test needs). END_FILE: once it holds a step
+  count, the run ends after that many steps instead of STEPS (read after
+  every step, so it must leave every member a step to read it: the chaos
+  harness writes it once, several steps ahead, with no joiner waiting).
   KILL_STEP, KILL_RANK, KILL_AT: rank KILL_RANK SIGKILLs itself at step
   KILL_STEP, ``before`` its forward or ``backward``, halfway through
   backward with the first buckets in flight.
@@ -109,7 +112,7 @@ def main() -> None:
         print(json.dumps({"event": "stopping", "step": -1, "t": time.time()}), flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
     try:
-        run(backend, ddp, net, opt, state, pad_mb)
+        done = run(backend, ddp, net, opt, state, pad_mb)
     except fg.QuorumLostError as exc:
         print(
             json.dumps({"event": "quorum", "lost": exc.lost, "error": str(exc), "t": time.time()}),
@@ -120,7 +123,7 @@ def main() -> None:
     torch.save(
         {
             "params": [p.detach().clone() for n, p in net.named_parameters() if n != "pad"],
-            "step": state.step,
+            "step": done,
         },
         os.path.join(out_dir, f"final-{os.getpid()}.pt"),
     )
@@ -220,8 +223,17 @@ def _take(path: str) -> bool:
     return True
 
 
-def run(backend: Any, ddp: Any, net: Any, opt: Any, state: Any, pad_mb: int) -> None:
-    """The training loop, with the faults the environment asks for."""
+def _end(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def run(backend: Any, ddp: Any, net: Any, opt: Any, state: Any, pad_mb: int) -> int:
+    """The training loop, with the faults the environment asks for; returns
+    the steps the group completed."""
     steps = int(os.environ.get("STEPS", "40"))
     world = int(os.environ.get("WORLD", "4"))
     slow = float(os.environ.get("SLOW", "0.2"))
@@ -238,6 +250,7 @@ def run(backend: Any, ddp: Any, net: Any, opt: Any, state: Any, pad_mb: int) -> 
     boundary_step = int(os.environ.get("BOUNDARY_KILL_STEP", "-1"))
     boundary_rank = int(os.environ.get("BOUNDARY_KILL_RANK", "-1"))
     hold = os.environ.get("HOLD_FILE", "")
+    end_file = os.environ.get("END_FILE", "")
     for step in state.steps(steps):
         if boundary_step >= 0:
             _passed_boundary(backend, step)
@@ -306,6 +319,10 @@ def run(backend: Any, ddp: Any, net: Any, opt: Any, state: Any, pad_mb: int) -> 
         # sleep holds it too; a fast joiner was once admitted past it.)
         while hold and os.path.exists(hold):
             time.sleep(0.05)
+        end = _end(end_file) if end_file else None
+        if end is not None and step + 1 >= end:
+            return step + 1
+    return int(state.step)
 
 
 if __name__ == "__main__":
