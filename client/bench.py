@@ -27,7 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 from client.common import MiB, collect, fmt_size, measure, parse_size
-from ferrogrpc.testing import free_port, spawn_ranks
+from client.forks import spawn_ranks
+from ferrogrpc.testing import free_port
 
 SHM = "shm"
 GRPC = "grpc"

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from client.common import MiB, fmt_size, parse_size
+from client.forks import Fork, popen
 
 RESHARD_SECONDS = "ferrogrpc_fsdp_last_reshard_seconds"
 RESHARD_BYTES = "ferrogrpc_fsdp_last_reshard_received_bytes"
@@ -204,7 +205,7 @@ class Run:
         }
         self.cmd = [sys.executable, "-m", "client.bench_elastic", "--worker"]
         self.cmd += ["--state-bytes", str(state_bytes), *(["--fsdp"] if fsdp else [])]
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[Fork | subprocess.Popen[bytes]] = []
         self.coordinator = subprocess.Popen(
             [
                 *(sys.executable, "-m", "server", "--world-size", str(nproc)),
@@ -217,13 +218,14 @@ class Run:
         for _ in range(nproc):
             self.start()
 
-    def start(self, metrics_port: int | None = None) -> subprocess.Popen[bytes]:
-        """Start a rank; ``metrics_port``: its metrics there (LOCAL_RANK 0:
-        on that port itself)."""
+    def start(self, metrics_port: int | None = None) -> Fork | subprocess.Popen[bytes]:
+        """Start a rank, a fork of client/forks.py's template;
+        ``metrics_port``: its metrics there (LOCAL_RANK 0: on that port
+        itself)."""
         env = self.env
         if metrics_port is not None:
             env = {**env, "FERROGRPC_METRICS_PORT": str(metrics_port), "LOCAL_RANK": "0"}
-        proc = subprocess.Popen(
+        proc = popen(
             self.cmd,
             env=env,
             stdout=open(self.tmp / f"p{len(self.procs)}.log", "wb"),  # noqa: SIM115

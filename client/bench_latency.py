@@ -43,7 +43,8 @@ from functools import partial
 from typing import Any
 
 from client.common import collect, fmt_size, measure, parse_size
-from ferrogrpc.testing import free_port, spawn_ranks
+from client.forks import spawn_ranks
+from ferrogrpc.testing import free_port
 
 # gloo; ferrogrpc on one host (shared memory and Unix direct sockets); with
 # one rank per host (FERROGRPC_SHM=0): small collectives on the TCP mesh

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -152,7 +152,7 @@ def measure(
     return times
 
 
-def collect(procs: list[subprocess.Popen[str]], timeout: float, what: str) -> Any:
+def collect(procs: Sequence[Any], timeout: float, what: str) -> Any:
     """Wait for every rank; return the JSON that rank 0 printed after RESULT."""
     outputs = [p.communicate(timeout=timeout)[0] for p in procs]
     for rank, p in enumerate(procs):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import threading
@@ -19,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ferrogrpc.testing import spawn_ranks
+from client.forks import spawn_ranks
 
 MODES = ("ddp", "fsdp")
 TOLERANCE = 1e-6
@@ -191,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         progress = Progress(args.steps, args.nproc)
         failure: list[str] = []
 
-        def drain(rank: int, proc: subprocess.Popen[str]) -> None:
+        def drain(rank: int, proc: Any) -> None:
             assert proc.stdout is not None
             for line in proc.stdout:
                 if line.startswith("PROGRESS "):

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from client.forks import Fork, popen
+
 TOLERANCE = 1e-6
 
 
@@ -63,7 +65,7 @@ class Group:
         self.cmd += ["--mode", "fsdp" if args.fsdp else "ddp"]
         self.cmd += ["--batch", str(args.batch), "--lr", str(args.lr)]
         self.cmd += ["--hidden", str(args.hidden), "--step-sleep", str(args.step_sleep)]
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[Fork | subprocess.Popen[bytes]] = []
         self.coordinator = subprocess.Popen(
             [
                 *(sys.executable, "-m", "server", "--world-size", str(args.nproc)),
@@ -74,9 +76,10 @@ class Group:
             stderr=subprocess.STDOUT,
         )
 
-    def start(self) -> subprocess.Popen[bytes]:
+    def start(self) -> Fork | subprocess.Popen[bytes]:
+        """A rank process: a fork of client/forks.py's template."""
         n = len(self.procs)
-        proc = subprocess.Popen(
+        proc = popen(
             self.cmd,
             env=self.env,
             stdout=open(self.tmp / f"rank-process{n}.log", "wb"),  # noqa: SIM115

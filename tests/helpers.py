@@ -139,10 +139,10 @@ class Forked:
 
 
 class Zygote:
-    """tests/zygote.py, started once per test session: rank processes are
-    forks of one process that imported torch already (2 s of CPU each
-    saved). Processes whose memory is measured from their start are not
-    forked (run_ranks(fresh=True))."""
+    """client/forks.py's template, started once per test session: rank
+    processes are forks of one process that imported torch already (2 s of
+    CPU each saved). Processes whose memory is measured from their start
+    are not forked (run_ranks(fresh=True))."""
 
     _started: Zygote | None = None
 
@@ -151,7 +151,7 @@ class Zygote:
         self.path = os.path.join(self._dir, "sock")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self._proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve().parent / "zygote.py"), self.path],
+            [sys.executable, str(ROOT / "client" / "forks.py"), self.path],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -183,12 +183,12 @@ class Zygote:
         collected; with ``stdin``, :attr:`Forked.stdin` writes to its
         standard input (else it reads /dev/null)."""
         read, write = os.pipe() if output is None else (None, os.dup(output))
-        ours, theirs = os.pipe()[::-1] if stdin else (None, None)
+        ours, theirs = os.pipe()[::-1] if stdin else (None, os.open(os.devnull, os.O_RDONLY))
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.path)
             request = json.dumps({"argv": argv, "env": env, "cwd": str(ROOT)}).encode()
-            socket.send_fds(conn, [request], [write] if theirs is None else [write, theirs])
+            socket.send_fds(conn, [request], [write, write, theirs])
         except BaseException:
             conn.close()
             for fd in (read, ours):
@@ -197,8 +197,7 @@ class Zygote:
             raise
         finally:
             os.close(write)
-            if theirs is not None:
-                os.close(theirs)
+            os.close(theirs)
         return Forked(conn, read, ours)
 
     def close(self) -> None:
