@@ -221,6 +221,7 @@ def kill_to_next_step(tmp: Path, spare: bool, steps: int = 70) -> dict[str, floa
         KILL_FILE=str(kill_file),
         FILE_KILL_RANK="1",
         FERROGRPC_MAX_WORLD_SIZE="4",
+        END_FILE=str(tmp / "end-step"),
     )
     try:
         run.wait_for(lambda: [d for d in run.lines() if d.get("step", -1) >= 2], 60, "no steps")
@@ -241,6 +242,7 @@ def kill_to_next_step(tmp: Path, spare: bool, steps: int = 70) -> dict[str, floa
         joined = run.wait_for(
             lambda: [d for d in run.lines(first) if "idx" in d], 90, "the newcomer never trained"
         )[0]
+        steps = run.end_soon()  # (every process left trains)
         run.finish(90)
     finally:
         run.close()
