@@ -860,6 +860,7 @@ def test_a_stall_a_coordinator_restart_and_a_death_through_the_new_coordinator(
         PACE="0.04",
         KILL_FILE=str(kill_file),
         KILL_RANK="1",
+        END_FILE=str(tmp_path / "end-step"),
     )
     try:
         stopping = run.wait_for(
@@ -898,6 +899,15 @@ def test_a_stall_a_coordinator_restart_and_a_death_through_the_new_coordinator(
             "training never resumed with the restarted coordinator",
         )
         kill_file.touch()
+        killed = run.wait_for(
+            lambda: [d for d in run.lines() if d.get("event") == "kill"], 30, "no death"
+        )[0]
+        run.wait_for(
+            lambda: [d for d in run.lines() if d.get("world") == 3 and d["t"] > killed["t"]],
+            HEARTBEAT_S + 10,
+            "the group never went on without the dead rank",
+        )
+        steps = run.end_soon()
         codes = run.finish(90)
     finally:
         run.close()
@@ -995,12 +1005,14 @@ def test_a_joiner_with_another_min_world_size_gets_a_config_error_and_the_group_
     # naming the setting, and the members train on. (120 steps: a joiner
     # slow to start on a loaded host once arrived after 40 had ended.)
     steps = 120
-    run = Run(tmp_path, 2, STEPS=str(steps), SLOW="0.1", PACE="0.1")
+    end = str(tmp_path / "end-step")
+    run = Run(tmp_path, 2, STEPS=str(steps), SLOW="0.1", PACE="0.1", END_FILE=end)
     try:
         run.wait_for(lambda: [d for d in run.lines() if d.get("step", 0) >= 3], 60, "no steps")
         run.env = {**run.env, "MIN_WORLD": "5"}
         joiner = run.start_rank()
         joiner.wait(timeout=60)
+        steps = run.end_soon()  # (the members train on a few steps, then end)
         codes = run.finish(60)
     finally:
         run.close()
