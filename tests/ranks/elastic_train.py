@@ -16,7 +16,8 @@ Environment:
   boundary as long as the test needs). END_FILE: once it holds a step
   count, the run ends after that many steps instead of STEPS (read after
   every step, so it must leave every member a step to read it: the chaos
-  harness writes it once, several steps ahead, with no joiner waiting).
+  harness and tests/test_elastic.py's Run.end_soon write it once, several
+  steps ahead, with no joiner waiting).
   KILL_STEP, KILL_RANK, KILL_AT: rank KILL_RANK SIGKILLs itself at step
   KILL_STEP, ``before`` its forward or ``backward``, halfway through
   backward with the first buckets in flight.
