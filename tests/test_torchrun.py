@@ -244,6 +244,7 @@ def test_torchrun_restarts_a_nodes_workers_only_and_nodes_come_and_go_live(
         # worker's and then its sibling's, SIGTERMed by the agent, are not
         # felt in another node's shared-memory plane).
         FERROGRPC_SHM="0",
+        END_FILE=str(tmp_path / "end-step"),
     )
     try:
         a = job.start("a", "127.0.0.1")
@@ -287,6 +288,11 @@ def test_torchrun_restarts_a_nodes_workers_only_and_nodes_come_and_go_live(
             90,
             "node c's workers never trained with node b's",
         )
+        # Every worker trains: the run ends 5 steps on (elastic_train.py's
+        # END_FILE), not at its step budget.
+        steps = len({d["step"] for d in job.steps()}) + 5
+        (tmp_path / "end-step.tmp").write_text(str(steps))
+        os.replace(tmp_path / "end-step.tmp", tmp_path / "end-step")
         for node in (b, c):
             assert node.proc.wait(timeout=120) == 0, job.output()
     finally:
