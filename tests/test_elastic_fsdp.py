@@ -84,6 +84,7 @@ def test_a_rank_killed_before_a_forward_inside_one_and_inside_backward_loses_no_
         SLOW="0.1",
         PACE="0.05",
         KILLS="before@1,forward@2,backward@3",
+        END_FILE=str(tmp_path / "end-step"),
     )
     try:
         for i in range(3):
@@ -99,6 +100,7 @@ def test_a_rank_killed_before_a_forward_inside_one_and_inside_backward_loses_no_
             joiner = len(run.procs)
             run.start_rank()
             run.wait_for(lambda j=joiner: [d for d in run.lines(j) if "idx" in d], 60, "no join")
+        steps = run.end_soon()  # (the third joiner trains: the run ends 5 steps on)
         codes = run.finish(120)
     finally:
         run.close()

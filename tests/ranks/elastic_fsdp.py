@@ -6,7 +6,7 @@ Each line adds the digests of this rank's shards and of the copy it keeps
 (``own``, ``copy``) and whose shard that copy is (``copy_of``): a copy must
 be bitwise equal to its owner's shard after every step.
 
-Environment: STEPS, WORLD, SLOW, PACE, OUT_DIR as elastic_train.py's;
+Environment: STEPS, WORLD, SLOW, PACE, OUT_DIR, END_FILE as elastic_train.py's;
 KILLS: kills, comma-separated, each ``AT@RANK`` (AT: ``before`` the
 forward, ``forward``: inside the last unit's forward, ``backward``: halfway
 through backward): the i-th happens at the first step at which the file
@@ -47,6 +47,14 @@ def _bytes(tensors: list[Any]) -> int:
     )
 
 
+def _end(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
 def main() -> None:
     out_dir = os.environ["OUT_DIR"]
     backend = fg.init_backend(elastic=True, min_world_size=int(os.environ.get("MIN_WORLD", "2")))
@@ -64,7 +72,7 @@ def main() -> None:
         flush=True,
     )
     try:
-        run(backend, fsdp, net, opt, state)
+        done = run(backend, fsdp, net, opt, state)
     except fg.FerroGrpcError as exc:
         print(
             json.dumps(
@@ -83,15 +91,17 @@ def main() -> None:
         sys.exit(3)
     full = fsdp.full_state_dict()
     torch.save(
-        {"params": [full[n].clone() for n, _ in net.named_parameters()], "step": state.step},
+        {"params": [full[n].clone() for n, _ in net.named_parameters()], "step": done},
         os.path.join(out_dir, f"final-{os.getpid()}.pt"),
     )
     print(json.dumps({"event": "done", "rank": backend.rank}), flush=True)
     backend.close()
 
 
-def run(backend: Any, fsdp: Any, net: nn.Module, opt: Any, state: Any) -> None:
+def run(backend: Any, fsdp: Any, net: nn.Module, opt: Any, state: Any) -> int:
+    """The training loop; returns the steps the group completed."""
     steps = int(os.environ.get("STEPS", "40"))
+    end_file = os.environ.get("END_FILE", "")
     world = int(os.environ.get("WORLD", "4"))
     slow = float(os.environ.get("SLOW", "0.2"))
     pace = float(os.environ.get("PACE", "0"))
@@ -166,6 +176,10 @@ def run(backend: Any, fsdp: Any, net: nn.Module, opt: Any, state: Any) -> None:
         }
         print(json.dumps(line), flush=True)
         time.sleep(slow if backend.world_size < world else pace)
+        end = _end(end_file) if end_file else None
+        if end is not None and step + 1 >= end:
+            return step + 1
+    return int(state.step)
 
 
 if __name__ == "__main__":
