@@ -54,7 +54,8 @@ def test_a_joiner_with_another_optimizer_is_refused_and_the_members_go_on(
     # difference, and leaves; the members lose no step and end equal to
     # single-process training.
     steps = 70
-    run = OptimRun(tmp_path, 2, OPTIM="adam", STEPS=str(steps), WORLD="3", SLOW="0.1")
+    end = str(tmp_path / "end-step")
+    run = OptimRun(tmp_path, 2, OPTIM="adam", STEPS=str(steps), WORLD="3", SLOW="0.1", END_FILE=end)
     try:
         run.wait_for(lambda: _trained(run, 0), 30, "no step")
         sgd = len(run.procs)
@@ -64,6 +65,7 @@ def test_a_joiner_with_another_optimizer_is_refused_and_the_members_go_on(
         for joiner in (sgd, betas):
             run.wait_for(lambda j=joiner: _refused(run, j), 30, f"process {joiner} not refused")
             run.wait_for(lambda j=joiner: run.procs[j].poll() is not None, 10, "it stayed")
+        steps = run.end_soon()  # (both refused: the members end 5 steps on)
         codes = run.finish(40)
     finally:
         run.close()

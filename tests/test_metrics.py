@@ -585,12 +585,14 @@ def test_a_joiners_reshard_shows_in_every_members_metrics_and_trace(tmp_path: Pa
         PACE="0.1",
         FERROGRPC_METRICS_PORT=str(port),
         FERROGRPC_TRACE=str(traces),
+        END_FILE=str(tmp_path / "end-step"),
     )
     try:
         run.wait_for(lambda: [d for d in run.lines() if d.get("step", 0) >= 3], 60, "no steps")
         run.start_rank()
         run.wait_for(lambda: [d for d in run.lines(2) if "idx" in d], 60, "the joiner trains")
         scraped = [scrape(f"http://127.0.0.1:{port + k}/metrics") for k in range(3)]
+        run.end_soon()
         codes = run.finish(90)
     finally:
         run.close()

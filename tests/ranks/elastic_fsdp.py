@@ -31,7 +31,7 @@ import ferrogrpc as fg
 from ferrogrpc.elastic import state as elastic_state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from elastic_train import BATCH, _take, data, lr_at, model
+from elastic_train import BATCH, _end, _take, data, lr_at, model
 
 
 def _digest(tensors: list[torch.Tensor]) -> str:
@@ -45,14 +45,6 @@ def _bytes(tensors: list[Any]) -> int:
     return sum(
         t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor) and t.dim()
     )
-
-
-def _end(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            return int(f.read())
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ every parameter and lists of tensors).
 A process whose ElasticState refuses the group's state prints
 ``{"event": "refused", "error": ...}`` and exits 4.
 
-Environment: STEPS, WORLD, SLOW (as elastic_train.py), OUT_DIR (the final
+Environment: STEPS, WORLD, SLOW, END_FILE (as elastic_train.py), OUT_DIR (the final
 parameters, and LBFGS's history, go there).
 """
 
@@ -51,6 +51,8 @@ def main() -> None:
     opt = optimizer(kind, ddp.parameters())
     state = fg.ElasticState(ddp, opt, extra={"tag": "elastic-optim"})
     print(json.dumps({"event": "start", "pid": os.getpid(), "t": time.time()}), flush=True)
+    end_file = os.environ.get("END_FILE", "")
+    done = None
     try:
         for step in state.steps(steps):
             if kind != "lbfgs":  # the schedule check_training's reference follows
@@ -85,13 +87,17 @@ def main() -> None:
             print(json.dumps(line), flush=True)
             if backend.world_size < world:
                 time.sleep(slow)
+            end = elastic_train._end(end_file) if end_file else None
+            if end is not None and step + 1 >= end:
+                done = step + 1
+                break
     except fg.ConfigError as exc:
         print(json.dumps({"event": "refused", "error": str(exc)}), flush=True)
         backend.close()
         sys.exit(4)
     final: dict[str, Any] = {
         "params": [p.detach().clone() for p in net.parameters()],
-        "step": state.step,
+        "step": state.step if done is None else done,
     }
     if kind == "lbfgs":
         final["old_dirs"] = [t.clone() for t in opt.state_dict()["state"][0]["old_dirs"]]
