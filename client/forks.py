@@ -152,11 +152,16 @@ class Fork:
     asked for as a pipe)."""
 
     def __init__(self, conn: socket.socket, stdout: IO[Any] | None = None) -> None:
+        self.stdout = stdout
+        self._watch(conn)
+
+    def _watch(self, conn: socket.socket) -> None:
+        """Take the pid from the template's answer on ``conn``, and the exit
+        status when it comes."""
         self._conn = conn
         self._lines = conn.makefile("r")
         self.pid = int(self._lines.readline())
         self.returncode: int | None = None
-        self.stdout = stdout
         self._exit = threading.Thread(target=self._wait_exit, daemon=True)
         self._exit.start()
 
@@ -206,13 +211,17 @@ class Template:
 
     _started: Template | None = None
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+        """``env``, ``cwd``: the template's own (this process's by
+        default); torch is imported under them."""
         self._dir = tempfile.mkdtemp(prefix="ferrogrpc-template-")
         self.path = os.path.join(self._dir, "sock")
         self._proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), self.path],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            env=env,
+            cwd=cwd,
             text=True,
         )
         assert self._proc.stdout is not None
@@ -224,9 +233,26 @@ class Template:
 
     @classmethod
     def get(cls) -> Template:
-        if cls._started is None or cls._started._proc.poll() is not None:
+        if cls._started is None or not cls._started.alive():
             cls._started = cls()
         return cls._started
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def request(
+        self, request: dict[str, Any], stdout: int, stderr: int, stdin: int
+    ) -> socket.socket:
+        """Ask for a fork (see the module docstring's protocol); the
+        connection its pid and exit status come back on."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(self.path)
+            socket.send_fds(conn, [json.dumps(request).encode()], [stdout, stderr, stdin])
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def spawn(
         self,
@@ -253,21 +279,15 @@ class Template:
             "env": env,
             "unbuffered": unbuffered,
         }
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            conn.connect(self.path)
-            fds = [stdout, stderr, null if stdin is None else stdin]
-            socket.send_fds(conn, [json.dumps(request).encode()], fds)
-            return Fork(conn, pipe)
-        except BaseException:
-            conn.close()
-            raise
+            conn = self.request(request, stdout, stderr, null if stdin is None else stdin)
         finally:
             if null >= 0:
                 os.close(null)
+        return Fork(conn, pipe)
 
     def close(self) -> None:
-        if self._proc.poll() is None:
+        if self.alive():
             self._proc.kill()
             self._proc.wait()
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import atexit
-import contextlib
-import json
 import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +22,7 @@ import ferrogrpc as fg
 
 # Network namespaces (root only) are client/netlab.py's, which the link
 # benchmark uses too.
+from client.forks import Fork, Template
 from client.netlab import SUBNET as SUBNET
 from client.netlab import ip as ip
 from client.netlab import namespaces as namespaces
@@ -74,15 +69,13 @@ def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
     )
 
 
-class Forked:
-    """A rank process forked by the :class:`Zygote`: what run_ranks needs of
-    a ``subprocess.Popen`` (pid, poll, wait, kill, communicate)."""
+class Forked(Fork):
+    """A rank process forked by the :class:`Zygote`: client/forks.py's Fork
+    whose output is collected here (``stdout``: what it printed so far),
+    with a pipe to its standard input where asked for."""
 
     def __init__(self, conn: socket.socket, out: int | None, stdin: int | None = None) -> None:
-        self._conn = conn
-        self._lines = conn.makefile("r")
-        self.pid = int(self._lines.readline())
-        self.returncode: int | None = None
+        self._watch(conn)
         # Its standard input, where the caller gave it a pipe (text).
         self.stdin = None if stdin is None else os.fdopen(stdin, "w")
         self._out: list[bytes] = []
@@ -92,35 +85,11 @@ class Forked:
         if out is not None:
             self._reader = threading.Thread(target=self._read, args=(out,), daemon=True)
             self._reader.start()
-        self._exit = threading.Thread(target=self._wait_exit, daemon=True)
-        self._exit.start()
 
     def _read(self, fd: int) -> None:
         with os.fdopen(fd, "rb") as pipe:
             while chunk := pipe.read1(1 << 16):
                 self._out.append(chunk)
-
-    def _wait_exit(self) -> None:
-        line = self._lines.readline()
-        self.returncode = int(line) if line.strip() else -9
-        self._conn.close()
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self._exit.join(timeout)
-        if self.returncode is None:
-            raise subprocess.TimeoutExpired(f"forked rank {self.pid}", timeout or 0)
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
     @property
     def stdout(self) -> str:
@@ -147,25 +116,12 @@ class Zygote:
     _started: Zygote | None = None
 
     def __init__(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="ferrogrpc-zygote-")
-        self.path = os.path.join(self._dir, "sock")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self._proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "client" / "forks.py"), self.path],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            cwd=ROOT,
-            text=True,
-        )
-        assert self._proc.stdout is not None
-        ready = self._proc.stdout.readline()
-        assert ready.strip() == "READY", f"the test zygote did not start: {ready!r}"
-        atexit.register(self.close)
+        self.template = Template(env=env, cwd=str(ROOT))
 
     @classmethod
     def get(cls) -> Zygote:
-        if cls._started is None or cls._started._proc.poll() is not None:
+        if cls._started is None or not cls._started.template.alive():
             cls._started = cls()
         return cls._started
 
@@ -184,13 +140,10 @@ class Zygote:
         standard input (else it reads /dev/null)."""
         read, write = os.pipe() if output is None else (None, os.dup(output))
         ours, theirs = os.pipe()[::-1] if stdin else (None, os.open(os.devnull, os.O_RDONLY))
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            conn.connect(self.path)
-            request = json.dumps({"argv": argv, "env": env, "cwd": str(ROOT)}).encode()
-            socket.send_fds(conn, [request], [write, write, theirs])
+            request = {"argv": argv, "env": env, "cwd": str(ROOT)}
+            conn = self.template.request(request, write, write, theirs)
         except BaseException:
-            conn.close()
             for fd in (read, ours):
                 if fd is not None:
                     os.close(fd)
@@ -201,10 +154,7 @@ class Zygote:
         return Forked(conn, read, ours)
 
     def close(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self.template.close()
 
 
 def spawn_piped(argv: list[str], env: dict[str, str], *, stdin: bool = False) -> tuple[Forked, Any]:
