@@ -261,17 +261,15 @@ class Template:
         *,
         stdout: int,
         stderr: int,
-        stdin: int | None = None,
         module: str | None = None,
         cwd: str | None = None,
         unbuffered: bool = False,
         pipe: IO[Any] | None = None,
     ) -> Fork:
         """Fork a process running ``argv`` (a script and its arguments; or,
-        with ``module``, the module's). ``stdout``, ``stderr`` and ``stdin``
-        are the caller's file descriptors (left open; no stdin: /dev/null);
+        with ``module``, the module's). ``stdout`` and ``stderr`` are the
+        caller's file descriptors (left open); its stdin is /dev/null.
         ``pipe``, the reading end the caller keeps, becomes Fork.stdout."""
-        null = os.open(os.devnull, os.O_RDONLY) if stdin is None else -1
         request = {
             "argv": list(argv),
             "module": module,
@@ -279,11 +277,11 @@ class Template:
             "env": env,
             "unbuffered": unbuffered,
         }
+        null = os.open(os.devnull, os.O_RDONLY)
         try:
-            conn = self.request(request, stdout, stderr, null if stdin is None else stdin)
+            conn = self.request(request, stdout, stderr, null)
         finally:
-            if null >= 0:
-                os.close(null)
+            os.close(null)
         return Fork(conn, pipe)
 
     def close(self) -> None:
@@ -295,8 +293,9 @@ class Template:
 
 def _parse(command: Sequence[str]) -> tuple[list[str], str | None, bool] | None:
     """(argv, module, unbuffered) of ``python [-u] (script | -m module)
-    args``, or None for any other command."""
-    if not command or os.path.realpath(command[0]) != os.path.realpath(sys.executable):
+    args`` where python is this interpreter (by path, not resolved: another
+    venv's python links to the same binary), or None for any other command."""
+    if not command or os.path.abspath(command[0]) != os.path.abspath(sys.executable):
         return None
     rest, unbuffered = list(command[1:]), False
     while rest and rest[0] == "-u":

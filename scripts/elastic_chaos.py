@@ -342,9 +342,7 @@ class Chaos:
             if alive and alive <= set(self.members()):
                 end = self.progress() + ahead
                 if end < self.steps:
-                    tmp = self.tmp / "end-step.tmp"
-                    tmp.write_text(str(end))
-                    os.replace(tmp, self.tmp / "end-step")
+                    _rank_program().write_end(self.env["END_FILE"], end)
                     self.steps = end
                     self.log(f"[chaos] the run ends after step {end - 1}")
                 return
@@ -374,10 +372,19 @@ class _Quiet:
         return kind is ProcessLookupError
 
 
+def _rank_program() -> Any:
+    """The rank program as a module: its model and data for the replay, and
+    the END_FILE it reads."""
+    if str(RANK.parent) not in sys.path:
+        sys.path.insert(0, str(RANK.parent))
+    import elastic_train
+
+    return elastic_train
+
+
 def check(chaos: Chaos, codes: list[int | None]) -> list[str]:
     """The invariants (see the module docstring); a list of violations."""
-    sys.path.insert(0, str(RANK.parent))
-    import elastic_train
+    elastic_train = _rank_program()
     import torch
     from elastic_train import BATCH
     from torch import nn

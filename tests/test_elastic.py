@@ -645,9 +645,7 @@ class Run:
         environment must name): call it once every process still running
         trains, none waiting to join. Returns the steps the run will have."""
         end = len({d["step"] for d in self.lines() if "idx" in d}) + ahead
-        path = Path(self.env["END_FILE"])
-        path.with_suffix(".tmp").write_text(str(end))
-        os.replace(path.with_suffix(".tmp"), path)
+        elastic_train.write_end(self.env["END_FILE"], end)
         return end
 
     def finish(self, timeout: float) -> list[int | None]:

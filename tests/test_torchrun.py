@@ -22,7 +22,7 @@ from typing import Any, cast
 import pytest
 
 from .helpers import RANKS, ROOT, clean_env, free_port
-from .test_elastic import check_training
+from .test_elastic import check_training, elastic_train
 
 HEARTBEAT_S = 2.0
 
@@ -291,8 +291,7 @@ def test_torchrun_restarts_a_nodes_workers_only_and_nodes_come_and_go_live(
         # Every worker trains: the run ends 5 steps on (elastic_train.py's
         # END_FILE), not at its step budget.
         steps = len({d["step"] for d in job.steps()}) + 5
-        (tmp_path / "end-step.tmp").write_text(str(steps))
-        os.replace(tmp_path / "end-step.tmp", tmp_path / "end-step")
+        elastic_train.write_end(tmp_path / "end-step", steps)
         for node in (b, c):
             assert node.proc.wait(timeout=120) == 0, job.output()
     finally:

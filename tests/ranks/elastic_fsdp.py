@@ -31,7 +31,7 @@ import ferrogrpc as fg
 from ferrogrpc.elastic import state as elastic_state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from elastic_train import BATCH, _end, _take, data, lr_at, model
+from elastic_train import BATCH, _ended, _take, data, lr_at, model
 
 
 def _digest(tensors: list[torch.Tensor]) -> str:
@@ -168,8 +168,7 @@ def run(backend: Any, fsdp: Any, net: nn.Module, opt: Any, state: Any) -> int:
         }
         print(json.dumps(line), flush=True)
         time.sleep(slow if backend.world_size < world else pace)
-        end = _end(end_file) if end_file else None
-        if end is not None and step + 1 >= end:
+        if _ended(end_file, step):
             return step + 1
     return int(state.step)
 

@@ -87,8 +87,7 @@ def main() -> None:
             print(json.dumps(line), flush=True)
             if backend.world_size < world:
                 time.sleep(slow)
-            end = elastic_train._end(end_file) if end_file else None
-            if end is not None and step + 1 >= end:
+            if elastic_train._ended(end_file, step):
                 done = step + 1
                 break
     except fg.ConfigError as exc:

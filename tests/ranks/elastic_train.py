@@ -224,12 +224,24 @@ def _take(path: str) -> bool:
     return True
 
 
-def _end(path: str) -> int | None:
+def write_end(path: str | os.PathLike[str], steps: int) -> None:
+    """Make END_FILE say that the run ends after ``steps`` steps (written
+    whole, then renamed: a rank never reads half of it)."""
+    part = f"{os.fspath(path)}.part"
+    with open(part, "w") as f:
+        f.write(str(steps))
+    os.replace(part, path)
+
+
+def _ended(path: str, step: int) -> bool:
+    """Whether END_FILE ``path`` (if any) ends the run with ``step``."""
+    if not path:
+        return False
     try:
         with open(path) as f:
-            return int(f.read())
+            return step + 1 >= int(f.read())
     except (FileNotFoundError, ValueError):
-        return None
+        return False
 
 
 def run(backend: Any, ddp: Any, net: Any, opt: Any, state: Any, pad_mb: int) -> int:
@@ -320,8 +332,7 @@ def run(backend: Any, ddp: Any, net: Any, opt: Any, state: Any, pad_mb: int) -> 
         # sleep holds it too; a fast joiner was once admitted past it.)
         while hold and os.path.exists(hold):
             time.sleep(0.05)
-        end = _end(end_file) if end_file else None
-        if end is not None and step + 1 >= end:
+        if _ended(end_file, step):
             return step + 1
     return int(state.step)
 
